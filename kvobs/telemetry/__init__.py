@@ -1,0 +1,1 @@
+"""Telemetry back-ends: Prometheus metrics, OpenTelemetry tracing, structlog logs."""
