@@ -1,3 +1,29 @@
-"""kvobs: safety and observability for KV-cache transfers (prefetch, write-back, send)."""
+"""kvobs: safety and observability for KV-cache transfers (prefetch, write-back, send).
+
+The public names, nothing else. Importing kvobs changes no process-wide telemetry state and does not
+import torch.
+"""
 
 __version__ = "0.1.0"
+
+from kvobs.errors import TransferRejected
+from kvobs.guard import Transfer, TransferRecord
+from kvobs.locks import LockTimeout, NullLock, ProcessLock, ThreadLock
+from kvobs.observer import KVObserver
+from kvobs.telemetry.exposition import start_metrics_server
+from kvobs.telemetry.logs import add_trace_context
+from kvobs.telemetry.tracing import configure_tracing
+
+__all__ = [
+    "KVObserver",
+    "LockTimeout",
+    "NullLock",
+    "ProcessLock",
+    "ThreadLock",
+    "Transfer",
+    "TransferRecord",
+    "TransferRejected",
+    "add_trace_context",
+    "configure_tracing",
+    "start_metrics_server",
+]
