@@ -50,21 +50,22 @@ class TransferRecord:
 
 
 class _Call:
-    """Per-call state; one per guarded call, never shared between calls."""
+    """Per-call state; one per guarded call, never shared. Defaults live on the class so that creating
+    one costs no __init__ call."""
 
-    __slots__ = (
-        "t_start", "t_acquired", "span", "token", "keys", "ids", "cache", "nbytes",
-        "request_id", "error", "skipped", "bad_ids", "check_result",
-    )
-
-    def __init__(self) -> None:
-        self.span: Any = None
-        self.token: Any = None
-        self.error: BaseException | None = None
-        self.skipped = False
-        self.bad_ids: tuple[int, ...] = ()
-        self.check_result: Any = None
-        self.t_acquired = 0.0
+    t_start = 0.0
+    t_acquired = 0.0
+    span: Any = None
+    token: Any = None
+    keys: Any = None
+    ids: list[int] | None = None
+    cache: Any = None
+    nbytes: int | None = None
+    request_id: Any = None
+    error: BaseException | None = None
+    skipped = False
+    bad_ids: tuple[int, ...] = ()
+    check_result: Any = None
 
 
 class Transfer:
@@ -93,6 +94,9 @@ class Transfer:
         self.sampler = self.policy.sampler() if self.policy is not None else None
         self.metrics = observer.metrics.paths[path] if observer.telemetry else None
         self.span_name = sc.span_name(path)
+        self._static_attributes = {
+            sc.ATTR_ENGINE: observer.engine, sc.ATTR_PATH: path, sc.ATTR_LOCK_NAME: observer.lock.name,
+        }
         self.sync_required = path in observer.sync_required
         self._resolvers: dict[str, Callable[[tuple, dict], Any] | None] = {}
         self._cm_calls: list[_Call] = []
@@ -102,6 +106,7 @@ class Transfer:
     def __call__(self, func: Callable[..., Any]) -> Callable[..., Any]:
         for name, spec in self.specs.items():
             self._resolvers[name] = compile_spec(name, spec, func)
+        self._has_specs = any(self._resolvers.values())
         if inspect.iscoroutinefunction(func):
             async def guarded_async(*args: Any, **kwargs: Any) -> Any:
                 return await self._run_async(func, args, kwargs)
@@ -118,7 +123,7 @@ class Transfer:
     def _bare_wrapper(self, func: Callable[..., Any]) -> Callable[..., Any]:
         """Disabled mode without checks: validation and the lock, nothing else (the cheapest safe path)."""
         lock, timeout, path = self.observer.lock, self.observer.lock_timeout, self.path
-        needs_inputs = any(self._resolvers.values())
+        needs_inputs = self._has_specs
         inputs = self._inputs
 
         def guarded(*args: Any, **kwargs: Any) -> Any:
@@ -179,6 +184,7 @@ class Transfer:
                         f"as a context manager pass the values themselves"
                     )
                 self._resolvers[name] = compile_spec(name, spec, _no_args)
+            self._has_specs = any(self._resolvers.values())
 
     # -- the guarded call --------------------------------------------------------------------------------
 
@@ -214,6 +220,8 @@ class Transfer:
         """Resolve and validate the call's inputs; a problem is a TransferRejected, before any lock."""
         call = _Call()
         r = self._resolvers
+        if not self._has_specs:
+            return call
         try:
             keys = r["keys"](args, kwargs) if r.get("keys") else None
             ids = r["block_ids"](args, kwargs) if r.get("block_ids") else None
@@ -245,21 +253,17 @@ class Transfer:
 
     def _start_span(self, tracer: Any, call: _Call) -> None:
         try:
-            span = tracer.start_span(self.span_name)
-            if span.is_recording():
-                span.set_attributes(self._span_attributes(call))
+            span = tracer.start_span(self.span_name, attributes=self._span_attributes(call))
             call.span = span
             call.token = otel_context.attach(trace.set_span_in_context(span))
         except Exception:  # noqa: BLE001 - telemetry never breaks the engine
             self.observer.metrics.count_telemetry_error("tracing")
 
     def _span_attributes(self, call: _Call) -> dict[str, Any]:
-        obs = self.observer
-        attrs: dict[str, Any] = {
-            sc.ATTR_ENGINE: obs.engine,
-            sc.ATTR_PATH: self.path,
-            sc.ATTR_LOCK_NAME: obs.lock.name,
-        }
+        """Attributes known at the start: the guard's fixed ones, plus this call's ids when it has them."""
+        if call.ids is None and call.keys is None and call.request_id is None:
+            return self._static_attributes
+        attrs = dict(self._static_attributes)
         if call.ids is not None:
             attrs[sc.ATTR_BLOCKS] = len(call.ids)
             attrs[sc.ATTR_BLOCK_IDS] = call.ids[:MAX_IDS_ON_SPAN]
@@ -303,7 +307,7 @@ class Transfer:
 
     def _enter_locked(self, call: _Call) -> None:
         if self.metrics is not None:
-            self.metrics.in_flight.inc()
+            self.metrics.in_flight.start()
         if self.sampler is not None and self.path != sc.PATH_PREFETCH:
             self._check(call)
 

@@ -25,6 +25,8 @@ DEFAULT_LOCK_TIMEOUT_S = 30.0
 _LABEL_VALUE = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 _FALSY = {"0", "false", "no", "off"}
 Hook = Callable[[TransferRecord], None]
+_OUTCOME_LOG_LEVEL = {sc.OUTCOME_OK: logging.DEBUG, sc.OUTCOME_REJECTED: logging.WARNING,
+                      sc.OUTCOME_ERROR: logging.ERROR}
 
 
 class KVObserver:
@@ -207,24 +209,24 @@ class KVObserver:
 
     def record_transfer(self, guard: Transfer, call: _Call, t_end: float) -> None:
         error = call.error
-        outcome = sc.OUTCOME_ERROR if error is not None else sc.OUTCOME_REJECTED if call.skipped else sc.OUTCOME_OK
+        outcome = sc.OUTCOME_OK if error is None and not call.skipped else (
+            sc.OUTCOME_ERROR if error is not None else sc.OUTCOME_REJECTED)
         wait = call.t_acquired - call.t_start
         hold = t_end - call.t_acquired
-        duration = t_end - call.t_start
         span = call.span
-        blocks = len(call.ids) if call.ids is not None else 0
+        ids = call.ids
+        blocks = len(ids) if ids is not None else 0
         nbytes = call.nbytes if call.nbytes is not None else blocks * (self.block_bytes or 0)
         try:
             exemplar = trace_fields(span) if span is not None and span.is_recording() else None
             m = guard.metrics
-            m.in_flight.dec()
+            m.in_flight.finish()
             m.lock_wait.observe(wait, exemplar)
-            m.lock_hold.observe(hold, exemplar)
-            m.duration[outcome].observe(duration, exemplar)
+            m.lock_hold.observe(hold)
+            m.duration[outcome].observe(wait + hold, exemplar)
             m.transfers[outcome].inc()
-            if outcome == sc.OUTCOME_OK:
-                if blocks:
-                    m.blocks.inc(blocks)
+            if blocks and outcome == sc.OUTCOME_OK:
+                m.blocks.inc(blocks)
                 if nbytes:
                     m.bytes.inc(nbytes)
         except Exception:  # noqa: BLE001
@@ -232,29 +234,30 @@ class KVObserver:
         if span is not None:
             try:
                 if span.is_recording():
-                    span.set_attributes({
-                        sc.ATTR_LOCK_WAIT_S: wait, sc.ATTR_LOCK_HOLD_S: hold, sc.ATTR_OUTCOME: outcome,
-                        sc.ATTR_BYTES: nbytes,
-                    })
+                    span.set_attributes({sc.ATTR_LOCK_WAIT_S: wait, sc.ATTR_LOCK_HOLD_S: hold, sc.ATTR_OUTCOME: outcome})
+                    if nbytes:
+                        span.set_attribute(sc.ATTR_BYTES, nbytes)
             except Exception:  # noqa: BLE001
                 self.metrics.count_telemetry_error("tracing")
             guard._end_span(call, error)
-        level = logging.DEBUG if outcome == sc.OUTCOME_OK else logging.WARNING if call.skipped else logging.ERROR
+        level = _OUTCOME_LOG_LEVEL[outcome]
         if level >= self.log_level:
             self._log(
-                level, "kvobs.transfer", path=guard.path, outcome=outcome, blocks=blocks, duration_s=duration,
+                level, "kvobs.transfer", path=guard.path, outcome=outcome, blocks=blocks, duration_s=wait + hold,
                 lock_wait_s=wait, lock_hold_s=hold, error=repr(error) if error is not None else None,
                 request_id=call.request_id, span=span,
             )
         if self.hooks:
-            record = TransferRecord(
-                self.engine, guard.path, outcome, duration, wait, hold, blocks, nbytes, error, call.bad_ids
-            )
-            for hook in self.hooks:
-                try:
-                    hook(record)
-                except Exception:  # noqa: BLE001
-                    self.metrics.count_telemetry_error("hook")
+            self._run_hooks(TransferRecord(
+                self.engine, guard.path, outcome, wait + hold, wait, hold, blocks, nbytes, error, call.bad_ids
+            ))
+
+    def _run_hooks(self, record: TransferRecord) -> None:
+        for hook in self.hooks:
+            try:
+                hook(record)
+            except Exception:  # noqa: BLE001
+                self.metrics.count_telemetry_error("hook")
 
     def _log(self, level: int, event: str, span: Any = None, **fields: Any) -> None:
         if level < self.log_level:

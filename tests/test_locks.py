@@ -157,8 +157,9 @@ def test_forked_processes_exclude_each_other(tmp_path: Path) -> None:
     assert total.value == 3 * rounds
 
 
-def _child_of_holder(lock: ProcessLock, released: Any, result: Any) -> None:
+def _child_of_holder(lock: ProcessLock, tried: Any, released: Any, result: Any) -> None:
     not_inherited = lock.held_for() == 0.0 and lock.acquire(timeout=0.1) is False
+    tried.set()
     released.wait(10)
     result.value = int(not_inherited and lock.acquire(timeout=5))
 
@@ -166,11 +167,11 @@ def _child_of_holder(lock: ProcessLock, released: Any, result: Any) -> None:
 def test_lock_held_at_fork_is_not_held_by_child(tmp_path: Path) -> None:
     ctx = multiprocessing.get_context("fork")
     lock = ProcessLock("kv", directory=tmp_path)
-    released, result = ctx.Event(), ctx.Value("i", 0, lock=False)
+    tried, released, result = ctx.Event(), ctx.Event(), ctx.Value("i", 0, lock=False)
     assert lock.acquire(timeout=0)
-    proc = ctx.Process(target=_child_of_holder, args=(lock, released, result))
+    proc = ctx.Process(target=_child_of_holder, args=(lock, tried, released, result))
     proc.start()
-    time.sleep(0.3)  # the child's own attempt (0.1 s) fails while the parent holds
+    assert tried.wait(30)  # the child's own attempt (0.1 s) fails while the parent holds
     lock.release()
     released.set()
     proc.join(timeout=30)

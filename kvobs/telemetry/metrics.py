@@ -9,9 +9,11 @@ background thread there because `set_function` cannot cross processes.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -94,6 +96,17 @@ class MetricFamilies:
             return families
 
 
+class InFlight:
+    """Transfers running now. A deque's append/pop are atomic and cost ~30 ns, against ~850 ns for each
+    locked Gauge update; the gauge reads `len()` at scrape time instead."""
+
+    def __init__(self) -> None:
+        running: deque[None] = deque()
+        self.start = functools.partial(running.append, None)
+        self.finish = running.pop
+        self.count = running.__len__
+
+
 @dataclass(frozen=True)
 class PathMetrics:
     """Children for one (engine, path), plus the lock it takes."""
@@ -102,7 +115,7 @@ class PathMetrics:
     duration: dict[str, Any]
     blocks: Any
     bytes: Any
-    in_flight: Any
+    in_flight: InFlight
     lock_wait: Any
     lock_hold: Any
     lock_timeouts: Any
@@ -137,13 +150,14 @@ class EngineMetrics:
             duration={o: f.duration.labels(e, path, o) for o in sc.TRANSFER_OUTCOMES},
             blocks=f.blocks.labels(e, path),
             bytes=f.bytes.labels(e, path),
-            in_flight=f.in_flight.labels(e, path),
+            in_flight=InFlight(),
             lock_wait=f.lock_wait.labels(e, lk, path),
             lock_hold=f.lock_hold.labels(e, lk, path),
             lock_timeouts=f.lock_timeouts.labels(e, lk, path),
             nan_checks={r: f.nan_checks.labels(e, path, r) for r in sc.CHECK_RESULTS},
             nan_blocks=f.nan_blocks.labels(e, path),
         )
+        bind_scrape_time(f.in_flight.labels(e, path), pm.in_flight.count, lambda: self.count_telemetry_error("scrape"))
         self.paths[path] = pm
         return pm
 

@@ -7,6 +7,7 @@ kvobs skips span work entirely, so metrics-only users do not pay ~10 us per call
 from __future__ import annotations
 
 import os
+from time import monotonic
 from typing import Any
 
 from opentelemetry import trace
@@ -15,6 +16,7 @@ from opentelemetry.trace import NoOpTracerProvider, ProxyTracerProvider, Tracer,
 from kvobs import __version__
 
 INSTRUMENTATION_NAME = "kvobs"
+RECHECK_S = 1.0
 
 
 class TracerSource:
@@ -24,6 +26,7 @@ class TracerSource:
         self._explicit = provider is not None
         self._provider: Any = None
         self._tracer: Tracer | None = None
+        self._recheck_at = 0.0
         if provider is not None:
             self._adopt(provider)
 
@@ -35,11 +38,15 @@ class TracerSource:
             self._tracer = provider.get_tracer(INSTRUMENTATION_NAME, __version__)
 
     def get(self) -> Tracer | None:
-        """None while only the no-op API is in place."""
+        """None while only the no-op API is in place. The global provider is looked up at most once per
+        `RECHECK_S` (the lookup reads os.environ, ~1 us), so a provider set later is picked up within it."""
         if not self._explicit:
-            provider = trace.get_tracer_provider()
-            if provider is not self._provider:
-                self._adopt(provider)
+            now = monotonic()
+            if now >= self._recheck_at:
+                self._recheck_at = now + RECHECK_S
+                provider = trace.get_tracer_provider()
+                if provider is not self._provider:
+                    self._adopt(provider)
         return self._tracer
 
 
