@@ -8,6 +8,7 @@ __version__ = "0.1.0"
 
 from kvobs.errors import TransferRejected
 from kvobs.guard import Transfer, TransferRecord
+from kvobs.instrument import Instrumentation, instrument
 from kvobs.locks import LockTimeout, NullLock, ProcessLock, ThreadLock
 from kvobs.observer import KVObserver
 from kvobs.telemetry.exposition import start_metrics_server
@@ -15,6 +16,7 @@ from kvobs.telemetry.logs import add_trace_context
 from kvobs.telemetry.tracing import configure_tracing
 
 __all__ = [
+    "Instrumentation",
     "KVObserver",
     "LockTimeout",
     "NullLock",
@@ -25,5 +27,6 @@ __all__ = [
     "TransferRejected",
     "add_trace_context",
     "configure_tracing",
+    "instrument",
     "start_metrics_server",
 ]
