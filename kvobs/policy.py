@@ -12,11 +12,33 @@ from dataclasses import dataclass
 POLICIES = ("raise", "skip", "count")
 
 
+class Sampler:
+    """Decides per call whether to check. Thread-safe: `next()` on an itertools.count and `random()` on a
+    random.Random are single atomic C calls."""
+
+    __slots__ = ("_every", "_fraction", "_counter", "_random")
+
+    def __init__(self, every: int, fraction: float | None, rng: random.Random | None = None):
+        self._every = every
+        self._fraction = fraction
+        self._counter = itertools.count()
+        self._random = (rng or random.Random()).random
+
+    def should_check(self) -> bool:
+        """True for calls 1, N+1, 2N+1, ... with `every=N`; with probability `fraction` otherwise."""
+        if self._fraction is not None:
+            return self._random() < self._fraction
+        return next(self._counter) % self._every == 0
+
+
 @dataclass(frozen=True)
 class IntegrityPolicy:
-    """`raise`: CorruptKVError before the data moves on. `skip`: a bad write-back or send is not performed
-    (the call returns None, counted as outcome="rejected"); a prefetch cannot be undone, so it raises.
-    `count`: metrics and logs only. `every`/`fraction` sample calls; the default checks every call."""
+    """What to do with corrupt blocks and how often to check (default: every call).
+
+    `raise`: CorruptKVError before the data moves on. `skip`: a bad write-back or send is not performed
+    (the decorated call returns None, counted as outcome="rejected"); a prefetch has already landed, and a
+    with-block body cannot be skipped, so those raise. `count`: metrics and logs only.
+    """
 
     mode: str = "raise"
     every: int = 1
@@ -24,29 +46,17 @@ class IntegrityPolicy:
 
     def __post_init__(self) -> None:
         if self.mode not in POLICIES:
-            raise ValueError(f"integrity policy {self.mode!r} is unknown; use one of {', '.join(POLICIES)}")
+            raise ValueError(f"unknown integrity mode {self.mode!r}; allowed: {', '.join(POLICIES)}")
         if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
             raise ValueError(f"every must be an int >= 1, got {self.every!r}")
         if self.fraction is not None:
-            if not isinstance(self.fraction, (int, float)) or not 0 < self.fraction <= 1:
+            if isinstance(self.fraction, bool) or not isinstance(self.fraction, (int, float)):
+                raise ValueError(f"fraction must be a number in (0, 1], got {self.fraction!r}")
+            if not 0.0 < self.fraction <= 1.0:
                 raise ValueError(f"fraction must be in (0, 1], got {self.fraction!r}")
             if self.every != 1:
-                raise ValueError("give either every or fraction, not both")
+                raise ValueError("give either every > 1 or fraction, not both")
 
     def sampler(self, rng: random.Random | None = None) -> Sampler:
+        """A fresh sampler; pass a seeded `rng` for reproducible fraction sampling."""
         return Sampler(self.every, self.fraction, rng)
-
-
-class Sampler:
-    """Decides per call whether to check; cheap and thread-safe (itertools.count and random are atomic)."""
-
-    def __init__(self, every: int = 1, fraction: float | None = None, rng: random.Random | None = None) -> None:
-        self._every = every
-        self._fraction = fraction
-        self._counter = itertools.count()
-        self._random = (rng or random.Random()).random
-
-    def should_check(self) -> bool:
-        if self._fraction is not None:
-            return self._random() < self._fraction
-        return self._every == 1 or next(self._counter) % self._every == 0

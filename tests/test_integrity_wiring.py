@@ -1,0 +1,181 @@
+"""NaN/Inf checks wired into the guards: what each path checks, when, and what each policy does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvobs
+from kvobs import semconv as sc
+from kvobs.integrity import CorruptKVError
+from kvobs.policy import IntegrityPolicy
+from kvobs.testing import capture
+from support import lock_is_free
+
+
+def kv_cache(blocks=16):
+    return torch.ones(blocks, 4, 2, 8, dtype=torch.float16)
+
+
+def observer(policy, **options):
+    return capture(engine="nan", integrity=policy, lock_timeout=2.0, **options)
+
+
+def test_write_back_raise_stops_before_storage_is_poisoned():
+    cache = kv_cache()
+    cache[5, 1, 0, 3] = float("nan")
+    storage = {}
+    with observer("raise") as cap:
+        @cap.observer.write_back(keys="keys", block_ids="ids", cache=lambda keys, ids: cache)
+        def write_back(keys, ids):
+            storage.update(zip(keys, ids))
+
+        with pytest.raises(CorruptKVError) as info:
+            write_back(["a", "b", "c"], [4, 5, 6])
+        assert storage == {}
+        assert info.value.bad_block_ids == (5,)
+        assert "write_back" in str(info.value)
+        assert lock_is_free(cap.observer.lock)
+        assert cap.value(sc.NAN_CHECKS_TOTAL, path="write_back", result="nan") == 1
+        assert cap.value(sc.NAN_BLOCKS_TOTAL, path="write_back") == 1
+        assert cap.value(sc.TRANSFERS_TOTAL, path="write_back", outcome="error") == 1
+        (span,) = cap.spans
+        (event,) = [e for e in span.events if e.name == sc.EVENT_INTEGRITY_BAD_BLOCKS]
+        assert tuple(event.attributes[sc.ATTR_BAD_BLOCK_IDS]) == (5,)
+        assert any(log["event"] == "kvobs.integrity.bad_blocks" and log["bad_block_ids"] == [5] for log in cap.logs)
+
+
+def test_write_back_skip_leaves_the_task_out():
+    cache = kv_cache()
+    cache[2, 0, 0, 0] = float("inf")
+    written = []
+    with observer("skip") as cap:
+        @cap.observer.write_back(block_ids="ids", cache=lambda ids: cache)
+        def write_back(ids):
+            written.append(ids)
+            return "stored"
+
+        assert write_back([1, 2]) is None
+        assert write_back([3, 4]) == "stored"
+        assert written == [[3, 4]]
+        assert cap.value(sc.TRANSFERS_TOTAL, path="write_back", outcome="rejected") == 1
+        assert cap.value(sc.NAN_CHECKS_TOTAL, path="write_back", result="inf") == 1
+        assert cap.value(sc.NAN_CHECKS_TOTAL, path="write_back", result="clean") == 1
+        assert lock_is_free(cap.observer.lock)
+
+
+def test_count_only_observes():
+    cache = kv_cache()
+    cache[0] = float("nan")
+    with observer("count") as cap:
+        @cap.observer.send(block_ids="ids", cache=lambda ids: cache)
+        def send(ids):
+            return "sent"
+
+        assert send([0, 1]) == "sent"
+        assert cap.value(sc.NAN_CHECKS_TOTAL, path="send", result="nan") == 1
+        assert cap.value(sc.TRANSFERS_TOTAL, path="send", outcome="ok") == 1
+
+
+@pytest.mark.parametrize("policy", ["raise", "skip"])
+def test_prefetch_checks_the_destination_after_the_load(policy):
+    cache = kv_cache()
+    poisoned_storage = {"k1": torch.full((4, 2, 8), float("nan"), dtype=torch.float16)}
+    with observer(policy) as cap:
+        @cap.observer.prefetch(keys="keys", block_ids="ids", cache=lambda keys, ids: cache)
+        def prefetch(keys, ids):
+            for key, block in zip(keys, ids):
+                cache[block] = poisoned_storage[key]
+            return "loaded"
+
+        with pytest.raises(CorruptKVError) as info:
+            prefetch(["k1"], [7])
+        assert info.value.bad_block_ids == (7,)
+        assert cap.value(sc.NAN_CHECKS_TOTAL, path="prefetch", result="nan") == 1
+        assert lock_is_free(cap.observer.lock)
+
+
+def test_checks_cover_per_layer_key_value_lists_and_block_dim():
+    layers = [(torch.zeros(2, 16, 8), torch.zeros(2, 16, 8)) for _ in range(3)]
+    layers[2][1][1, 9, 4] = float("nan")
+    with observer("raise", block_dim=1) as cap:
+        @cap.observer.send(block_ids="ids", cache=lambda ids: layers)
+        def send(ids):
+            return "sent"
+
+        assert send([1, 2, 3]) == "sent"
+        with pytest.raises(CorruptKVError) as info:
+            send([8, 9])
+        assert info.value.bad_block_ids == (9,)
+
+
+def test_sampling_every_nth_call():
+    cache = kv_cache()
+    with observer(IntegrityPolicy("raise", every=3)) as cap:
+        @cap.observer.send(block_ids="ids", cache=lambda ids: cache)
+        def send(ids):
+            return "sent"
+
+        for _ in range(7):
+            send([1])
+        assert cap.value(sc.NAN_CHECKS_TOTAL, path="send", result="clean") == 3
+
+
+def test_per_path_policy_and_per_guard_override():
+    cache = kv_cache()
+    cache[3] = float("nan")
+    with observer({"write_back": "raise", "send": "count"}) as cap:
+        @cap.observer.send(block_ids="ids", cache=lambda ids: cache)
+        def send(ids):
+            return "sent"
+
+        @cap.observer.write_back(block_ids="ids", cache=lambda ids: cache, check=False)
+        def unchecked_write(ids):
+            return "written"
+
+        @cap.observer.prefetch(block_ids="ids", cache=lambda ids: cache)
+        def prefetch(ids):
+            return "loaded"
+
+        assert send([3]) == "sent"
+        assert unchecked_write([3]) == "written"
+        assert prefetch([3]) == "loaded"  # no policy for prefetch in the mapping: not checked
+        assert cap.value(sc.NAN_CHECKS_TOTAL, path="write_back", result="nan") == 0
+        assert cap.value(sc.NAN_CHECKS_TOTAL, path="prefetch", result="nan") == 0
+
+
+def test_a_check_that_fails_releases_the_lock_and_raises_its_error():
+    with observer("raise") as cap:
+        @cap.observer.write_back(block_ids="ids", cache=lambda ids: "not a tensor")
+        def write_back(ids):
+            return "written"
+
+        with pytest.raises(TypeError):
+            write_back([1])
+        assert lock_is_free(cap.observer.lock)
+        assert cap.value(sc.TRANSFERS_TOTAL, path="write_back", outcome="error") == 1
+
+
+def test_context_manager_skip_raises_because_a_body_cannot_be_skipped():
+    cache = kv_cache()
+    cache[1] = float("nan")
+    with observer("skip") as cap:
+        with pytest.raises(CorruptKVError):
+            with cap.observer.write_back(block_ids=[1], cache=cache):
+                raise AssertionError("the body must not run")
+        assert lock_is_free(cap.observer.lock)
+
+
+def test_checks_run_in_disabled_mode_without_telemetry(registry):
+    cache = kv_cache()
+    cache[0] = float("nan")
+    obs = kvobs.KVObserver("quiet", registry=registry, enabled=False, integrity="raise")
+
+    @obs.write_back(block_ids="ids", cache=lambda ids: cache)
+    def write_back(ids):
+        return "written"
+
+    with pytest.raises(CorruptKVError):
+        write_back([0])
+    assert write_back([1]) == "written"
+    assert registry.get_sample_value(sc.NAN_CHECKS_TOTAL, {"engine": "quiet", "path": "write_back", "result": "nan"}) is None
