@@ -9,14 +9,19 @@ __version__ = "0.1.0"
 from kvobs.errors import TransferRejected
 from kvobs.guard import Transfer, TransferRecord
 from kvobs.instrument import Instrumentation, instrument
+from kvobs.integrity import CheckResult, CorruptKVError, check_blocks
 from kvobs.locks import LockTimeout, NullLock, ProcessLock, ThreadLock
 from kvobs.observer import KVObserver
+from kvobs.policy import IntegrityPolicy
 from kvobs.telemetry.exposition import start_metrics_server
 from kvobs.telemetry.logs import add_trace_context
 from kvobs.telemetry.tracing import configure_tracing
 
 __all__ = [
+    "CheckResult",
+    "CorruptKVError",
     "Instrumentation",
+    "IntegrityPolicy",
     "KVObserver",
     "LockTimeout",
     "NullLock",
@@ -26,6 +31,7 @@ __all__ = [
     "TransferRecord",
     "TransferRejected",
     "add_trace_context",
+    "check_blocks",
     "configure_tracing",
     "instrument",
     "start_metrics_server",

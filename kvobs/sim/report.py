@@ -1,0 +1,240 @@
+"""The demo's summary: one dict per run, the `--json` document, and the side-by-side table.
+
+The schema is documented in docs/demo.md; `SCHEMA_VERSION` changes whenever a field is renamed, removed or
+changes meaning (adding fields does not change it).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from kvobs import __version__
+from kvobs import semconv as sc
+
+SCHEMA_VERSION = 1
+
+# The fields every run carries, in table order: (key, table label, type).
+RUN_FIELDS: tuple[tuple[str, str, type], ...] = (
+    ("nan_blocks_written_to_storage", "NaN blocks written to storage", int),
+    ("nan_blocks_served_to_prefix_hits", "NaN blocks served to prefix hits", int),
+    ("lost_layer0_signals", "lost layer0 signals", int),
+    ("hung_sends", "hung sends", int),
+    ("lock_wait_p50_s", "lock wait p50 (transfers)", float),
+    ("lock_wait_p99_s", "lock wait p99 (transfers)", float),
+    ("transfers_done", "transfers done", int),
+    ("throughput_per_s", "throughput (requests/s)", float),
+)
+
+# Further fields of each run (documented, stable, not in the table).
+EXTRA_FIELDS: tuple[tuple[str, type], ...] = (
+    ("mode", str),
+    ("engine", str),
+    ("elapsed_s", float),
+    ("stale_blocks_written_to_storage", int),
+    ("requests_admitted", int),
+    ("requests_completed", int),
+    ("requests_aborted", int),
+    ("prefix_hits", int),
+    ("prefix_hit_blocks", int),
+    ("prefetch_done", int),
+    ("write_back_done", int),
+    ("send_done", int),
+    ("prefetch_corrupt", int),
+    ("write_back_rejected", int),
+    ("write_back_skipped_busy", int),
+    ("send_rejected", int),
+    ("transfer_errors", int),
+    ("lock_timeouts", int),
+    ("signals_recovered", int),
+    ("pending_signals", int),
+    ("stale_signals_injected", int),
+    ("poisoned_storage_entries", int),
+    ("nan_checks_nan", int),
+    ("forward_steps", int),
+    ("forward_lock_wait_p50_s", float),
+    ("forward_lock_wait_p99_s", float),
+)
+
+LOCK_WAIT_SOURCE = (
+    "kvobs_lock_wait_seconds histogram of the run's own registry, all transfer paths together, "
+    "interpolated within buckets like PromQL histogram_quantile"
+)
+
+
+def histogram_quantile(q: float, buckets: Iterable[tuple[float, float]]) -> float:
+    """PromQL's histogram_quantile over cumulative (upper bound, count) pairs; 0.0 for an empty histogram."""
+    pairs = sorted(buckets)
+    if not pairs or pairs[-1][1] <= 0:
+        return 0.0
+    total = pairs[-1][1]
+    rank = q * total
+    lower, below = 0.0, 0.0
+    for upper, count in pairs:
+        if count >= rank:
+            if math.isinf(upper):
+                return lower  # in the +Inf bucket: the highest finite bound, as Prometheus does
+            if count == below:
+                return upper
+            return lower + (upper - lower) * (rank - below) / (count - below)
+        lower, below = upper, count
+    return lower
+
+
+def lock_wait_buckets(registry: CollectorRegistry, engine: str) -> list[tuple[float, float]]:
+    """Cumulative buckets of kvobs_lock_wait_seconds for `engine`, summed over locks and paths."""
+    sums: dict[float, float] = {}
+    for family in registry.collect():
+        if family.name != sc.LOCK_WAIT_SECONDS:
+            continue
+        for sample in family.samples:
+            if sample.name.endswith("_bucket") and sample.labels.get(sc.LABEL_ENGINE) == engine:
+                le = float(sample.labels["le"])
+                sums[le] = sums.get(le, 0.0) + sample.value
+    return sorted(sums.items())
+
+
+def nan_checks(registry: CollectorRegistry, engine: str, result: str = sc.CHECK_NAN) -> int:
+    """kvobs_nan_checks_total{result=...} for `engine`, summed over paths."""
+    total = 0.0
+    for path in sc.PATHS:
+        value = registry.get_sample_value(
+            sc.NAN_CHECKS_TOTAL, {sc.LABEL_ENGINE: engine, sc.LABEL_PATH: path, sc.LABEL_RESULT: result}
+        )
+        total += value or 0.0
+    return int(total)
+
+
+def percentile(values: Iterable[float], q: float) -> float:
+    """Nearest-rank percentile; 0.0 when empty."""
+    data = sorted(values)
+    if not data:
+        return 0.0
+    k = max(0, min(len(data) - 1, math.ceil(q * len(data)) - 1))
+    return float(data[k])
+
+
+def run_summary(engine: Any) -> dict[str, Any]:
+    """The summary dict of one finished SimEngine run (see RUN_FIELDS and EXTRA_FIELDS)."""
+    stats = engine.stats
+    counters = stats.counters()
+    buckets = lock_wait_buckets(engine.registry, engine.config.engine)
+    elapsed = max(stats.elapsed_s, 1e-9)
+    waits = list(stats.forward_lock_waits)
+    out: dict[str, Any] = {
+        "mode": stats.mode,
+        "engine": engine.config.engine,
+        "elapsed_s": round(stats.elapsed_s, 3),
+        "lock_wait_p50_s": histogram_quantile(0.5, buckets),
+        "lock_wait_p99_s": histogram_quantile(0.99, buckets),
+        "throughput_per_s": round(stats.requests_completed / elapsed, 3),
+        "pending_signals": engine.pending_signals(),
+        "nan_checks_nan": nan_checks(engine.registry, engine.config.engine),
+        "forward_lock_wait_p50_s": percentile(waits, 0.5),
+        "forward_lock_wait_p99_s": percentile(waits, 0.99),
+    }
+    for key, typ in (*((k, t) for k, _, t in RUN_FIELDS), *EXTRA_FIELDS):
+        if key not in out:
+            out[key] = typ(counters[key])
+    return out
+
+
+def incidents(runs: Mapping[str, Mapping[str, Any]]) -> dict[str, bool]:
+    """Did the unguarded run show both incidents, and was the guarded run free of both?"""
+    def nan(run: Mapping[str, Any]) -> bool:
+        return run["nan_blocks_written_to_storage"] > 0 and run["nan_blocks_served_to_prefix_hits"] > 0
+
+    def hang(run: Mapping[str, Any]) -> bool:
+        return run["lost_layer0_signals"] > 0 and run["hung_sends"] > 0
+
+    out = {}
+    if "unguarded" in runs:
+        u = runs["unguarded"]
+        out["unguarded_nan_incident"] = nan(u)
+        out["unguarded_hang_incident"] = hang(u)
+    if "guarded" in runs:
+        g = runs["guarded"]
+        out["guarded_clean"] = not any(
+            g[k] for k in ("nan_blocks_written_to_storage", "nan_blocks_served_to_prefix_hits",
+                           "lost_layer0_signals", "hung_sends")
+        )
+    return out
+
+
+def summary_dict(
+    *, seed: int, duration_s: float, faults: Iterable[str], runs: Mapping[str, Mapping[str, Any]]
+) -> dict[str, Any]:
+    """The `--json` document (schema in docs/demo.md)."""
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "kvobs_version": __version__,
+        "seed": seed,
+        "duration_s": float(duration_s),
+        "faults": sorted(faults),
+        "lock_wait_source": LOCK_WAIT_SOURCE,
+        "runs": {name: dict(run) for name, run in runs.items()},
+        "incidents": incidents(runs),
+    }
+
+
+def _fmt(value: Any, typ: type, key: str) -> str:
+    if key.endswith("_s") and not key.endswith("_per_s"):
+        return _duration(value)
+    if typ is float:
+        return f"{value:,.1f}"
+    return f"{value:,}"
+
+
+def _duration(seconds: float) -> str:
+    if seconds == 0:
+        return "0"
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.0f} us"
+    if seconds < 1:
+        return f"{seconds * 1e3:.1f} ms"
+    return f"{seconds:.2f} s"
+
+
+def format_table(summary: Mapping[str, Any]) -> str:
+    """The side-by-side table the demo prints."""
+    runs = summary["runs"]
+    names = [n for n in ("unguarded", "guarded") if n in runs]
+    label_w = max(len(label) for _, label, _ in RUN_FIELDS) + 2
+    col_w = 14
+    faults = ", ".join(summary["faults"]) or "none"
+    lines = [
+        f"kvobs demo  seed={summary['seed']}  {summary['duration_s']:g} s per run  faults: {faults}",
+        "  unguarded: kvobs observes only (no lock, no signal buffer, NaN checks only count)",
+        "  guarded:   cache lock around transfers and forward steps, early-signal buffer, NaN checks enforced",
+        "",
+        " " * label_w + "".join(f"{n:>{col_w}}" for n in names),
+    ]
+    for key, label, typ in RUN_FIELDS:
+        cells = "".join(f"{_fmt(runs[n][key], typ, key):>{col_w}}" for n in names)
+        lines.append(f"{label:<{label_w}}{cells}")
+    lines.append("")
+    if "guarded" in runs:
+        g = runs["guarded"]
+        lines.append(
+            f"guarded: {g['write_back_rejected']} write-backs and {g['send_rejected']} sends refused by the NaN "
+            f"check, {g['prefetch_corrupt']} prefetches refused (recomputed), {g['signals_recovered']} early "
+            f"layer0 signals recovered; forward-pass lock wait p99 {_duration(g['forward_lock_wait_p99_s'])}"
+        )
+    if summary["faults"] and "guarded" in runs:
+        g = runs["guarded"]
+        lines.append(
+            f"faults (guarded run): {g['poisoned_storage_entries']} storage entries poisoned, "
+            f"{g['stale_signals_injected']} stale layer0 signal injected, {g['pending_signals']} signal(s) "
+            f"still pending at the end, {g['nan_checks_nan']} NaN check findings"
+        )
+    verdict = summary["incidents"]
+    if "unguarded_nan_incident" in verdict:
+        seen = [name for name, key in (("NaN served from storage", "unguarded_nan_incident"),
+                                       ("hung sends", "unguarded_hang_incident")) if verdict[key]]
+        lines.append(f"unguarded reproduced: {', '.join(seen) or 'nothing'}")
+    if "guarded_clean" in verdict:
+        lines.append("guarded: " + ("no incident" if verdict["guarded_clean"] else "INCIDENTS SEEN (see above)"))
+    return "\n".join(lines)

@@ -1,0 +1,200 @@
+"""The `kvobs` command: arguments, the `--json` schema, `--serve` and its metrics, clean shutdown."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvobs import semconv as sc
+from kvobs.cli import build_parser, main
+from kvobs.sim.report import EXTRA_FIELDS, RUN_FIELDS, SCHEMA_VERSION
+
+ENV = {**os.environ, "OTEL_TRACES_EXPORTER": "none", "PYTHONUNBUFFERED": "1"}
+ENV.pop("PROMETHEUS_MULTIPROC_DIR", None)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def kvobs_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "kvobs", *args]
+
+
+def test_parser_contract():
+    args = build_parser().parse_args([
+        "demo", "--duration", "3", "--seed", "7", "--metrics-port", "0", "--metrics-addr", "127.0.0.1",
+        "--serve", "--otlp-endpoint", "http://127.0.0.1:4317", "--json", "--fault", "stale-signal",
+        "--fault", "nan", "--quiet",
+    ])
+    assert (args.duration, args.seed, args.metrics_port, args.metrics_addr) == (3.0, 7, 0, "127.0.0.1")
+    assert args.serve and args.json and args.quiet
+    assert args.fault == ["stale-signal", "nan"]
+    assert args.otlp_endpoint == "http://127.0.0.1:4317"
+    defaults = build_parser().parse_args(["demo"])
+    assert (defaults.duration, defaults.seed, defaults.fault, defaults.serve) == (10.0, 0, [], False)
+
+
+@pytest.mark.parametrize("bad", [
+    ["demo", "--fault", "bogus"], ["demo", "--duration", "0"], ["demo", "--metrics-port", "70000"], [],
+])
+def test_bad_arguments_exit_2(bad, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(bad)
+    assert exc.value.code == 2
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.startswith("kvobs ")
+
+
+def check_schema(doc: dict) -> None:
+    """The documented --json schema (docs/demo.md), version 1."""
+    assert doc["schema_version"] == SCHEMA_VERSION == 1
+    assert isinstance(doc["seed"], int)
+    assert isinstance(doc["duration_s"], float)
+    assert isinstance(doc["faults"], list)
+    assert isinstance(doc["kvobs_version"], str) and isinstance(doc["lock_wait_source"], str)
+    assert set(doc["runs"]) == {"unguarded", "guarded"}
+    for name, run in doc["runs"].items():
+        assert run["mode"] == name
+        for key, _, typ in RUN_FIELDS:
+            assert type(run[key]) is typ, (name, key, run[key])
+        for key, typ in EXTRA_FIELDS:
+            assert type(run[key]) is typ, (name, key, run[key])
+        assert run["transfers_done"] == run["prefetch_done"] + run["write_back_done"] + run["send_done"]
+    assert set(doc["incidents"]) == {"unguarded_nan_incident", "unguarded_hang_incident", "guarded_clean"}
+    assert all(isinstance(v, bool) for v in doc["incidents"].values())
+
+
+def test_json_summary_on_stdout_progress_on_stderr():
+    proc = subprocess.run(
+        kvobs_cmd("demo", "--json", "--duration", "1.5", "--seed", "5", "--metrics-port", "0"),
+        capture_output=True, text=True, timeout=90, env=ENV,
+    )
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)  # nothing but the JSON document on stdout
+    check_schema(doc)
+    assert (doc["seed"], doc["duration_s"], doc["faults"]) == (5, 1.5, [])
+    assert doc["incidents"]["guarded_clean"] is True
+    assert "[unguarded]" in proc.stderr and "[guarded]" in proc.stderr
+
+
+def test_table_and_busy_metrics_port_is_only_a_warning():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = subprocess.run(
+            kvobs_cmd("demo", "--duration", "1", "--metrics-port", str(port), "--quiet"),
+            capture_output=True, text=True, timeout=90, env=ENV,
+        )
+    assert proc.returncode == 0, proc.stderr
+    assert "warning: cannot serve metrics" in proc.stderr
+    assert "NaN blocks written to storage" in proc.stdout
+    assert "lost layer0 signals" in proc.stdout and "unguarded" in proc.stdout
+    assert "[unguarded]" not in proc.stderr  # --quiet
+
+
+def scrape(port: int) -> str:
+    return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+
+
+def samples(text: str) -> list:
+    return [s for fam in text_string_to_metric_families(text) for s in fam.samples]
+
+
+def value(text: str, name: str, **labels: str) -> float:
+    return sum(s.value for s in samples(text) if s.name == name and labels.items() <= s.labels.items())
+
+
+def has_metric(text: str, name: str, labels: tuple[str, ...]) -> bool:
+    names = {name, name + "_bucket", name + "_count", name + "_sum"}
+    return any(s.name in names and set(labels) <= set(s.labels) for s in samples(text))
+
+
+@pytest.fixture
+def serving():
+    port = free_port()
+    proc = subprocess.Popen(
+        kvobs_cmd("demo", "--serve", "--metrics-port", str(port), "--metrics-addr", "127.0.0.1",
+                  "--fault", "stale-signal", "--fault", "nan"),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
+    )
+    try:
+        yield proc, port
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def wait_scrape(proc, port: int, timeout: float = 30.0) -> str:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        assert proc.poll() is None, proc.stderr.read()
+        try:
+            return scrape(port)
+        except OSError:
+            time.sleep(0.2)
+    raise AssertionError("the --serve endpoint never answered")
+
+
+@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT])
+def test_serve_exports_every_metric_with_traffic_and_stops_cleanly(serving, stop_signal):
+    proc, port = serving
+    wait_scrape(proc, port)
+    time.sleep(3.0)
+    first = scrape(port)
+    for name, labels in sc.METRIC_LABELS.items():
+        assert has_metric(first, name, labels), name
+    engines = {s.labels["engine"] for s in samples(first) if "engine" in s.labels}
+    assert engines == {"demo-guarded"}
+    for path in sc.PATHS:
+        assert value(first, sc.TRANSFERS_TOTAL, path=path, outcome="ok") > 0, path
+        assert value(first, sc.LOCK_WAIT_SECONDS + "_count", path=path) > 0, path
+        assert value(first, sc.LOCK_HOLD_SECONDS + "_count", path=path) > 0, path
+    assert value(first, sc.PENDING_SIGNALS) >= 1
+    age1 = value(first, sc.PENDING_SIGNAL_OLDEST_AGE_SECONDS)
+    nan1 = value(first, sc.NAN_CHECKS_TOTAL, result="nan")
+
+    time.sleep(2.0)
+    second = scrape(port)
+    assert value(second, sc.PENDING_SIGNAL_OLDEST_AGE_SECONDS) > age1 + 1.0  # the stale signal keeps ageing
+    assert value(second, sc.NAN_CHECKS_TOTAL, result="nan") > nan1  # poisoned entries keep being found
+    for path in sc.PATHS:
+        assert value(second, sc.TRANSFERS_TOTAL, path=path, outcome="ok") > value(
+            first, sc.TRANSFERS_TOTAL, path=path, outcome="ok"), path
+
+    proc.send_signal(stop_signal)
+    assert proc.wait(15) == 0
+    err = proc.stderr.read()
+    assert "stopped after" in err, err
+    assert "Traceback" not in err, err
+
+
+def test_serve_on_a_busy_port_fails_fast():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = subprocess.run(
+            kvobs_cmd("demo", "--serve", "--metrics-port", str(port), "--quiet"),
+            capture_output=True, text=True, timeout=60, env=ENV,
+        )
+    assert proc.returncode == 2
+    assert "cannot serve metrics" in proc.stderr

@@ -1,0 +1,127 @@
+"""The simulated engine behind `kvobs demo`: both incidents unguarded on every seed, none guarded.
+
+Runs are short (2 s each) but the race windows are wide on purpose, so one or two seconds are plenty.
+"""
+
+from __future__ import annotations
+
+import math
+import socket
+import threading
+import time
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvobs import semconv as sc
+from kvobs.sim import SimConfig, SimEngine
+from kvobs.sim.demo import DemoOptions, run_demo
+from kvobs.sim.report import RUN_FIELDS, format_table, histogram_quantile
+
+INCIDENT_FIELDS = (
+    "nan_blocks_written_to_storage", "nan_blocks_served_to_prefix_hits", "lost_layer0_signals", "hung_sends",
+)
+
+
+def demo(seed: int, duration: float = 2.0, **options) -> dict:
+    return run_demo(DemoOptions(duration_s=duration, seed=seed, metrics_port=0, quiet=True, **options))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_unguarded_shows_both_incidents_and_guarded_none(seed):
+    summary = demo(seed)
+    unguarded, guarded = summary["runs"]["unguarded"], summary["runs"]["guarded"]
+    for field in INCIDENT_FIELDS:
+        assert unguarded[field] >= 1, (field, unguarded)
+        assert guarded[field] == 0, (field, guarded)
+    assert summary["incidents"] == {
+        "unguarded_nan_incident": True, "unguarded_hang_incident": True, "guarded_clean": True,
+    }
+    # The guards did real work: early signals recovered, NaN blocks refused before they reached storage.
+    assert guarded["signals_recovered"] >= 1
+    assert guarded["write_back_rejected"] >= 1
+    assert guarded["transfers_done"] > 0 and guarded["throughput_per_s"] > 0
+    # The lock costs something when it exists, and nothing when it does not.
+    assert guarded["lock_wait_p99_s"] > unguarded["lock_wait_p99_s"]
+    assert unguarded["lock_wait_p99_s"] < 0.001
+
+
+def test_faults_are_seen_and_the_guarded_engine_keeps_running():
+    summary = demo(11, duration=2.5, faults=frozenset({"nan", "stale-signal"}))
+    assert summary["faults"] == ["nan", "stale-signal"]
+    guarded = summary["runs"]["guarded"]
+    assert guarded["poisoned_storage_entries"] >= 1
+    assert guarded["prefetch_corrupt"] >= 1  # found by the prefetch check, evicted, recomputed
+    assert guarded["nan_checks_nan"] >= guarded["prefetch_corrupt"]
+    assert guarded["stale_signals_injected"] == 1
+    assert guarded["pending_signals"] >= 1  # the stale signal is still waiting (TTL longer than the run)
+    for field in INCIDENT_FIELDS:
+        assert guarded[field] == 0, (field, guarded)
+    assert guarded["requests_completed"] > 0
+    assert summary["runs"]["unguarded"]["nan_blocks_served_to_prefix_hits"] >= 1
+
+
+def test_each_run_has_its_own_registry_and_engine_label():
+    engines = [SimEngine(SimConfig(guarded=g, seed=0)) for g in (False, True)]
+    assert engines[0].registry is not engines[1].registry
+    assert [e.config.engine for e in engines] == ["demo-unguarded", "demo-guarded"]
+    for engine in engines:
+        value = engine.registry.get_sample_value(
+            sc.TRANSFERS_TOTAL, {"engine": engines[0].config.engine, "path": "prefetch", "outcome": "ok"}
+        )
+        assert value == (0.0 if engine is engines[0] else None)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_metrics_are_served_during_the_run_one_run_at_a_time():
+    port = free_port()
+    seen: list[set[str]] = []
+    result: dict = {}
+    runner = threading.Thread(target=lambda: result.update(run_demo(DemoOptions(
+        duration_s=1.5, seed=4, metrics_port=port, quiet=True))))
+    runner.start()
+    while runner.is_alive():
+        try:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+        except OSError:
+            time.sleep(0.1)
+            continue
+        engines = {
+            s.labels["engine"] for fam in text_string_to_metric_families(text) for s in fam.samples
+            if "engine" in s.labels
+        }
+        seen.append(engines)
+        time.sleep(0.2)
+    runner.join()
+    assert result["runs"]["guarded"]["transfers_done"] > 0
+    assert {"demo-unguarded"} in seen and {"demo-guarded"} in seen
+    assert all(len(engines) <= 1 for engines in seen)  # the two runs never mix
+
+
+def test_histogram_quantile_matches_promql():
+    buckets = [(0.001, 0), (0.01, 50), (0.1, 100), (math.inf, 100)]
+    assert histogram_quantile(0.5, buckets) == pytest.approx(0.01)
+    assert histogram_quantile(0.25, buckets) == pytest.approx(0.001 + 0.009 * 0.5)
+    assert histogram_quantile(0.99, buckets) == pytest.approx(0.01 + 0.09 * 0.98)
+    assert histogram_quantile(0.5, [(0.1, 0), (math.inf, 0)]) == 0.0
+    assert histogram_quantile(0.99, [(0.1, 1), (math.inf, 10)]) == 0.1  # +Inf bucket: highest finite bound
+    assert histogram_quantile(0.5, []) == 0.0
+
+
+def test_table_has_a_row_per_field_and_a_column_per_run():
+    run = {key: 0 for key, _, _ in RUN_FIELDS}
+    run.update(write_back_rejected=1, send_rejected=0, prefetch_corrupt=0, signals_recovered=2,
+               forward_lock_wait_p99_s=0.002)
+    summary = {"seed": 3, "duration_s": 2.0, "faults": [], "runs": {"unguarded": run, "guarded": run},
+               "incidents": {"unguarded_nan_incident": False, "unguarded_hang_incident": False,
+                             "guarded_clean": True}}
+    table = format_table(summary)
+    for _, label, _ in RUN_FIELDS:
+        assert label in table
+    assert "unguarded" in table and "guarded" in table and "seed=3" in table

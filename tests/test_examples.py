@@ -1,0 +1,94 @@
+"""Every script in examples/ runs; the OTLP example delivers its spans, and ends quickly when nothing listens."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import pytest
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def dead_endpoint() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"  # closed again: nothing listens there
+
+
+def run_example(name: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": dead_endpoint(), **env}
+    full_env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    return subprocess.run(
+        [sys.executable, str(EXAMPLES / name)], capture_output=True, text=True, timeout=timeout, env=full_env,
+    )
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in EXAMPLES.glob("*.py")))
+def test_every_example_runs(script):
+    proc = run_example(script)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_prefix_cache_manager_guards_both_paths():
+    proc = run_example("prefix_cache_manager.py")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "write-back stored 4 blocks, prefetch loaded 4 blocks" in out
+    assert "write-back of a NaN block returned None; 'k5' stored: False" in out
+    assert "prefetch refused: corrupt KV cache" in out
+    assert "rejected: kvobs rejected write_back transfer: asynchronous" in out
+    assert 'kvobs_nan_checks_total{engine="prefix-cache-example",path="write_back",result="nan"} 1.0' in out
+    assert 'kvobs_transfers_total{engine="prefix-cache-example",outcome="rejected",path="write_back"} 2.0' in out
+
+
+class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
+    def __init__(self):
+        self.spans = []
+
+    def Export(self, request, context):  # noqa: N802 - gRPC's name
+        for resource_spans in request.resource_spans:
+            service = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
+            for scope_spans in resource_spans.scope_spans:
+                self.spans.extend((service, span) for span in scope_spans.spans)
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+
+def test_otlp_example_delivers_spans_to_a_real_receiver():
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    receiver = Receiver()
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(receiver, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        proc = run_example(
+            "otlp_export.py", OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{port}", OTEL_SERVICE_NAME="ex-svc",
+        )
+    finally:
+        server.stop(0)
+    assert proc.returncode == 0, proc.stderr
+    names = sorted(span.name for _, span in receiver.spans)
+    assert names == ["kvobs.prefetch", "kvobs.send", "kvobs.write_back"]
+    assert {svc["service.name"] for svc, _ in receiver.spans} == {"ex-svc"}
+    request_ids = {
+        kv.value.string_value for _, span in receiver.spans for kv in span.attributes
+        if kv.key == "kvobs.request_id"
+    }
+    assert request_ids == {"req-1", "req-2"}
+
+
+def test_otlp_example_ends_quickly_when_nothing_listens():
+    start = time.monotonic()
+    proc = run_example("otlp_export.py", timeout=30)
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 0, proc.stderr
+    assert "handed to the OTLP exporter" in proc.stdout
+    assert elapsed < 15, elapsed  # interpreter + torch start-up (~3 s) + a 2 s export timeout
