@@ -2,7 +2,8 @@
 
 `Transfer` is what `obs.prefetch(...)`, `obs.write_back(...)` and `obs.send(...)` return: a decorator for
 functions, methods and `async def` functions, and a context manager (`with` / `async with`) for code that is
-not a function. The lock is released in `finally` whatever happens (exception, KeyboardInterrupt, a
+not a function. As a context manager its per-call state lives in a context variable, so one guard object
+may be entered from several threads or asyncio tasks at once. The lock is released in `finally` whatever happens (exception, KeyboardInterrupt, a
 cancelled coroutine); telemetry runs after the release and can never raise into the engine.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
+from contextvars import ContextVar
 from collections.abc import Callable
 from dataclasses import dataclass
 from time import perf_counter
@@ -99,7 +101,7 @@ class Transfer:
         }
         self.sync_required = path in observer.sync_required
         self._resolvers: dict[str, Callable[[tuple, dict], Any] | None] = {}
-        self._cm_calls: list[_Call] = []
+        self._cm_calls: ContextVar[tuple[_Call, ...]] = ContextVar(f"kvobs.{path}.{id(self):x}", default=())
 
     # -- decorator ---------------------------------------------------------------------------------------
 
@@ -141,18 +143,19 @@ class Transfer:
     # -- context manager ---------------------------------------------------------------------------------
 
     def __enter__(self) -> Transfer:
-        self._check_cm_specs()
+        self._compile_values()
         call = self._begin((), {})
         self._acquire_sync(call)
         self._enter_cm(call)
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
-        call = self._cm_calls.pop()
-        self._exit_locked(call, exc)
+        stack = self._cm_calls.get()
+        self._cm_calls.set(stack[:-1])
+        self._exit_locked(stack[-1], exc)
 
     async def __aenter__(self) -> Transfer:
-        self._check_cm_specs()
+        self._compile_values()
         call = self._begin((), {})
         await self._acquire_async(call)
         self._enter_cm(call)
@@ -173,17 +176,14 @@ class Transfer:
             call.error = exc
             self._release_and_record(call)
             raise
-        self._cm_calls.append(call)
+        self._cm_calls.set(self._cm_calls.get() + (call,))
 
-    def _check_cm_specs(self) -> None:
+    def _compile_values(self) -> None:
+        """As a context manager every spec is the value itself (a callable is called with no arguments)."""
         if not self._resolvers:
             for name, spec in self.specs.items():
-                if isinstance(spec, str):
-                    raise TypeError(
-                        f"{name}={spec!r} names an argument, which only works when decorating a function; "
-                        f"as a context manager pass the values themselves"
-                    )
-                self._resolvers[name] = compile_spec(name, spec, _no_args)
+                self._resolvers[name] = None if spec is None else (
+                    (lambda args, kwargs, f=spec: f()) if callable(spec) else (lambda args, kwargs, v=spec: v))
             self._has_specs = any(self._resolvers.values())
 
     # -- the guarded call --------------------------------------------------------------------------------
@@ -366,10 +366,6 @@ class Transfer:
             span.end()
         except Exception:  # noqa: BLE001
             self.observer.metrics.count_telemetry_error("tracing")
-
-
-def _no_args() -> None:
-    """The signature context-manager specs are compiled against: they are values, never argument names."""
 
 
 def _release_if_acquired(lock: Any) -> Callable[[asyncio.Future], None]:

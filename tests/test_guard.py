@@ -150,9 +150,38 @@ def test_context_manager_forms(cap):
     assert lock_is_free(cap.observer.lock)
     assert cap.value(sc.TRANSFERS_TOTAL, path="write_back", outcome="ok") == 1
     assert cap.value(sc.TRANSFERS_TOTAL, path="send", outcome="error") == 1
-    with pytest.raises(TypeError, match="names an argument"):
+    with cap.observer.send(block_ids=[1], request_id="req-9"):
+        pass
+    assert cap.spans[-1].attributes[sc.ATTR_REQUEST_ID] == "req-9"
+    with pytest.raises(kvobs.TransferRejected, match="block ids must be a sequence of ints, got str"):
         with cap.observer.send(block_ids="ids"):
             pass
+
+
+def test_one_context_manager_guard_shared_by_threads(registry):
+    obs = kvobs.KVObserver("shared", registry=registry, lock=None, integrity=None)
+    guard = obs.send(block_ids=[1])
+    inside = threading.Barrier(2)
+    errors = []
+
+    def use():
+        try:
+            for _ in range(200):
+                with guard:
+                    pass
+            with guard:
+                inside.wait(5)  # both threads inside the same guard object at once
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=use) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert registry.get_sample_value(
+        sc.TRANSFERS_TOTAL, {"engine": "shared", "path": "send", "outcome": "ok"}) == 402
 
 
 def test_methods_and_callable_specs(cap):

@@ -102,8 +102,7 @@ def test_http_protobuf_exporter_is_chosen_from_the_environment(monkeypatch):
 
 def test_exporter_that_is_down_never_changes_result_or_exception(registry):
     provider = TracerProvider()
-    dead = otlp_exporter(endpoint="http://127.0.0.1:9", protocol="grpc")
-    dead._timeout = 0.2
+    dead = otlp_exporter(endpoint="http://127.0.0.1:9", protocol="grpc", timeout=0.2)
     provider.add_span_processor(SimpleSpanProcessor(dead))
     obs = kvobs.KVObserver("down", registry=registry, tracer_provider=provider, integrity=None)
     err = KeyError("engine's own")

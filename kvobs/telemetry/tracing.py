@@ -56,13 +56,15 @@ def configure_tracing(
     endpoint: str | None = None,
     protocol: str | None = None,
     exporter: Any = None,
+    timeout: float | None = None,
     set_global: bool = True,
 ) -> TracerProvider:
     """Build an SDK TracerProvider exporting over OTLP, for applications (never called by kvobs itself).
 
     Honours the standard variables: OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES (resource),
     OTEL_TRACES_SAMPLER[_ARG] (sampler), OTEL_EXPORTER_OTLP[_TRACES]_ENDPOINT (endpoint) and
-    OTEL_EXPORTER_OTLP[_TRACES]_PROTOCOL (`grpc`, the default, or `http/protobuf`). Arguments win over them.
+    OTEL_EXPORTER_OTLP[_TRACES]_PROTOCOL (`grpc`, the default, or `http/protobuf`), and
+    OTEL_EXPORTER_OTLP[_TRACES]_TIMEOUT (`timeout`, seconds per export). Arguments win over them.
     """
     from opentelemetry.sdk.resources import SERVICE_NAME, Resource
     from opentelemetry.sdk.trace import TracerProvider as SdkTracerProvider
@@ -71,14 +73,14 @@ def configure_tracing(
     attributes = {SERVICE_NAME: service_name} if service_name else {}
     provider = SdkTracerProvider(resource=Resource.create(attributes))
     if exporter is None:
-        exporter = otlp_exporter(endpoint=endpoint, protocol=protocol)
+        exporter = otlp_exporter(endpoint=endpoint, protocol=protocol, timeout=timeout)
     provider.add_span_processor(BatchSpanProcessor(exporter))
     if set_global:
         trace.set_tracer_provider(provider)
     return provider
 
 
-def otlp_exporter(endpoint: str | None = None, protocol: str | None = None) -> Any:
+def otlp_exporter(endpoint: str | None = None, protocol: str | None = None, timeout: float | None = None) -> Any:
     """An OTLP span exporter for `protocol` (`grpc` or `http/protobuf`), reading OTEL_* variables for defaults."""
     protocol = (
         protocol
@@ -86,16 +88,18 @@ def otlp_exporter(endpoint: str | None = None, protocol: str | None = None) -> A
         or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
         or "grpc"
     )
+    options: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
     if protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
         if endpoint is not None:
-            return OTLPSpanExporter(endpoint=endpoint, insecure=endpoint.startswith("http://"))
-        return OTLPSpanExporter()
+            options.update(endpoint=endpoint, insecure=endpoint.startswith("http://"))
+        return OTLPSpanExporter(**options)
     if protocol in ("http/protobuf", "http"):
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
 
-        if endpoint is not None and not endpoint.rstrip("/").endswith("/v1/traces"):
-            endpoint = endpoint.rstrip("/") + "/v1/traces"
-        return HttpExporter(endpoint=endpoint) if endpoint is not None else HttpExporter()
+        if endpoint is not None:
+            options["endpoint"] = endpoint if endpoint.rstrip("/").endswith("/v1/traces") else (
+                endpoint.rstrip("/") + "/v1/traces")
+        return HttpExporter(**options)
     raise ValueError(f"unsupported OTLP protocol {protocol!r}: use 'grpc' or 'http/protobuf'")
