@@ -13,6 +13,7 @@ from kvobs.integrity import CheckResult, CorruptKVError, check_blocks
 from kvobs.locks import LockTimeout, NullLock, ProcessLock, ThreadLock
 from kvobs.observer import KVObserver
 from kvobs.policy import IntegrityPolicy
+from kvobs.signals import EarlySignalBuffer, ReadySignal
 from kvobs.telemetry.exposition import start_metrics_server
 from kvobs.telemetry.logs import add_trace_context
 from kvobs.telemetry.tracing import configure_tracing
@@ -20,12 +21,14 @@ from kvobs.telemetry.tracing import configure_tracing
 __all__ = [
     "CheckResult",
     "CorruptKVError",
+    "EarlySignalBuffer",
     "Instrumentation",
     "IntegrityPolicy",
     "KVObserver",
     "LockTimeout",
     "NullLock",
     "ProcessLock",
+    "ReadySignal",
     "ThreadLock",
     "Transfer",
     "TransferRecord",

@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry
 from kvobs import semconv as sc
 from kvobs.guard import Transfer, TransferRecord, _Call
 from kvobs.locks import CacheLock, LockTimeout, NullLock, ThreadLock
+from kvobs.signals import EarlySignalBuffer
 from kvobs.telemetry import metrics as tm
 from kvobs.telemetry.logs import default_logger, level_number, trace_fields
 from kvobs.telemetry.tracing import TracerSource
@@ -134,10 +135,10 @@ class KVObserver:
             nbytes=nbytes, request_id=request_id, check=check,
         )
 
-    def signal_buffer(self, **options: Any) -> Any:
-        """An EarlySignalBuffer reporting through this observer's metrics and logger."""
-        from kvobs.signals import EarlySignalBuffer
-
+    def signal_buffer(self, **options: Any) -> EarlySignalBuffer:
+        """An EarlySignalBuffer reporting through this observer's metrics and logger. One per observer: the
+        pending-signal gauges of an engine show the buffer built last."""
+        options.setdefault("log_level", self.log_level)
         return EarlySignalBuffer(metrics=self.metrics, logger=self.logger, **options)
 
     # -- configuration helpers ---------------------------------------------------------------------------
