@@ -189,10 +189,22 @@ class Transfer:
     # -- the guarded call --------------------------------------------------------------------------------
 
     def _run(self, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """The synchronous guarded call, written out flat: it is the hot path every transfer takes."""
+        obs = self.observer
         call = self._begin(args, kwargs)
-        self._acquire_sync(call)
+        lock = obs.lock
+        acquired = lock.acquire(obs.lock_timeout)
+        call.t_acquired = perf_counter()
+        if not acquired:
+            self._timed_out(call)
+        metrics = self.metrics
         try:
-            self._enter_locked(call)
+            if metrics is not None:
+                metrics.in_flight.start()
+            if self.sampler is None:
+                return func(*args, **kwargs)
+            if self.path != sc.PATH_PREFETCH:
+                self._check(call)
             result = None if call.skipped else func(*args, **kwargs)
             self._after_call(call)
             return result
@@ -200,7 +212,11 @@ class Transfer:
             call.error = exc
             raise
         finally:
-            self._release_and_record(call)
+            try:
+                lock.release()
+            finally:
+                if metrics is not None:
+                    obs.record_transfer(self, call, perf_counter())
 
     async def _run_async(self, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         call = self._begin(args, kwargs)
@@ -220,8 +236,6 @@ class Transfer:
         """Resolve and validate the call's inputs; a problem is a TransferRejected, before any lock."""
         call = _Call()
         r = self._resolvers
-        if not self._has_specs:
-            return call
         try:
             keys = r["keys"](args, kwargs) if r.get("keys") else None
             ids = r["block_ids"](args, kwargs) if r.get("block_ids") else None
@@ -239,11 +253,14 @@ class Transfer:
 
     def _begin(self, args: tuple, kwargs: dict) -> _Call:
         obs = self.observer
-        try:
-            call = self._inputs(args, kwargs)
-        except TransferRejected as exc:
-            obs.record_rejected(self.path, exc)
-            raise
+        if not self._has_specs:
+            call = _Call()
+        else:
+            try:
+                call = self._inputs(args, kwargs)
+            except TransferRejected as exc:
+                obs.record_rejected(self.path, exc)
+                raise
         if obs.telemetry:
             tracer = obs.tracer_source.get()
             if tracer is not None:
@@ -295,8 +312,10 @@ class Transfer:
 
     def _acquired(self, call: _Call, acquired: bool) -> None:
         call.t_acquired = perf_counter()
-        if acquired:
-            return
+        if not acquired:
+            self._timed_out(call)
+
+    def _timed_out(self, call: _Call) -> None:
         obs = self.observer
         waited = call.t_acquired - call.t_start
         exc = LockTimeout(obs.lock.name, waited, self.path)

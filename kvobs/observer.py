@@ -219,12 +219,16 @@ class KVObserver:
         blocks = len(ids) if ids is not None else 0
         nbytes = call.nbytes if call.nbytes is not None else blocks * (self.block_bytes or 0)
         try:
-            exemplar = trace_fields(span) if span is not None and span.is_recording() else None
             m = guard.metrics
             m.in_flight.finish()
-            m.lock_wait.observe(wait, exemplar)
+            if span is not None and span.is_recording():
+                exemplar = trace_fields(span)
+                tm.observe(m.lock_wait, wait, exemplar)
+                tm.observe(m.duration[outcome], wait + hold, exemplar)
+            else:
+                m.lock_wait.observe(wait)
+                m.duration[outcome].observe(wait + hold)
             m.lock_hold.observe(hold)
-            m.duration[outcome].observe(wait + hold, exemplar)
             m.transfers[outcome].inc()
             if blocks and outcome == sc.OUTCOME_OK:
                 m.blocks.inc(blocks)

@@ -12,13 +12,16 @@ from __future__ import annotations
 import functools
 import os
 import threading
+import time
 import weakref
+from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.samples import Exemplar
 
 from kvobs import semconv as sc
 
@@ -169,6 +172,21 @@ class EngineMetrics:
             pass
 
 
+def observe(child: Any, amount: float, exemplar: dict[str, str] | None) -> None:
+    """`child.observe(amount, exemplar)` without its per-call exemplar validation (~3 us of ~4).
+
+    kvobs's exemplar labels (trace_id, span_id) are valid by construction, so the exemplar is set on its
+    bucket directly; the public call is used should prometheus_client's internals ever differ.
+    """
+    buckets = getattr(child, "_buckets", None) if exemplar is not None else None
+    bounds = getattr(child, "_upper_bounds", None)
+    if buckets is None or bounds is None:
+        child.observe(amount, exemplar)
+        return
+    child.observe(amount)
+    buckets[bisect_left(bounds, amount)].set_exemplar(Exemplar(exemplar, amount, time.time()))
+
+
 def bind_scrape_time(gauge_child: Any, read: Callable[[], float], on_error: Callable[[], None]) -> None:
     """Make `gauge_child` show `read()` as of scrape time.
 
@@ -216,8 +234,6 @@ class _Refresher:
         gauge_child.set(read())
 
     def _run(self) -> None:
-        import time
-
         while True:
             time.sleep(self.refresh_interval)
             with self._lock:
