@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from kvobs import semconv as sc
-from support import lock_is_free
+from support import lock_is_free, lock_is_free_from_other_thread
 
 
 def test_span_and_duration_cover_the_awaited_work(cap):
@@ -33,7 +33,7 @@ def test_cancelled_during_the_call_releases_the_lock(cap):
     async def main():
         task = asyncio.create_task(send([1]))
         await asyncio.sleep(0.05)
-        assert not lock_is_free_elsewhere(cap.observer.lock)
+        assert not lock_is_free_from_other_thread(cap.observer.lock)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -112,11 +112,3 @@ def test_async_context_manager(cap):
     asyncio.run(main())
     assert cap.value(sc.TRANSFERS_TOTAL, path="prefetch", outcome="ok") == 1
     assert lock_is_free(cap.observer.lock)
-
-
-def lock_is_free_elsewhere(lock) -> bool:
-    result = []
-    t = threading.Thread(target=lambda: result.append(lock_is_free(lock)))
-    t.start()
-    t.join()
-    return result[0]

@@ -7,12 +7,11 @@ import socket
 import subprocess
 import sys
 import time
-from concurrent import futures
 from pathlib import Path
 
-import grpc
 import pytest
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+from support import otlp_receiver
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -50,30 +49,11 @@ def test_prefix_cache_manager_guards_both_paths():
     assert 'kvobs_transfers_total{engine="prefix-cache-example",outcome="rejected",path="write_back"} 2.0' in out
 
 
-class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
-    def __init__(self):
-        self.spans = []
-
-    def Export(self, request, context):  # noqa: N802 - gRPC's name
-        for resource_spans in request.resource_spans:
-            service = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
-            for scope_spans in resource_spans.scope_spans:
-                self.spans.extend((service, span) for span in scope_spans.spans)
-        return trace_service_pb2.ExportTraceServiceResponse()
-
-
 def test_otlp_example_delivers_spans_to_a_real_receiver():
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    receiver = Receiver()
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(receiver, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
+    with otlp_receiver() as (receiver, port):
         proc = run_example(
             "otlp_export.py", OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{port}", OTEL_SERVICE_NAME="ex-svc",
         )
-    finally:
-        server.stop(0)
     assert proc.returncode == 0, proc.stderr
     names = sorted(span.name for _, span in receiver.spans)
     assert names == ["kvobs.prefetch", "kvobs.send", "kvobs.write_back"]

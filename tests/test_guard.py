@@ -11,7 +11,7 @@ import pytest
 
 import kvobs
 from kvobs import semconv as sc
-from support import lock_is_free
+from support import lock_is_free, lock_is_free_from_other_thread
 
 
 class Task:
@@ -83,14 +83,6 @@ def test_lock_is_held_during_the_call_and_free_after(cap):
     send([0])
     assert seen == [False]
     assert lock_is_free(cap.observer.lock)
-
-
-def lock_is_free_from_other_thread(lock) -> bool:
-    result = []
-    t = threading.Thread(target=lambda: result.append(lock_is_free(lock)))
-    t.start()
-    t.join()
-    return result[0]
 
 
 def test_lock_timeout_names_lock_path_and_seconds(cap):

@@ -7,12 +7,9 @@ import subprocess
 import sys
 import textwrap
 import time
-from concurrent import futures
 from urllib.request import Request, urlopen
 
-import grpc
 import pytest
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
@@ -22,33 +19,13 @@ from prometheus_client.openmetrics.exposition import generate_latest as openmetr
 import kvobs
 from kvobs import semconv as sc
 from kvobs.telemetry.tracing import otlp_exporter
-from support import lock_is_free
-
-
-class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
-    """An OTLP/gRPC trace receiver: what the Collector would get."""
-
-    def __init__(self):
-        self.spans = []
-
-    def Export(self, request, context):  # noqa: N802 - gRPC's name
-        for resource_spans in request.resource_spans:
-            service = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
-            for scope_spans in resource_spans.scope_spans:
-                for span in scope_spans.spans:
-                    self.spans.append((service, span))
-        return trace_service_pb2.ExportTraceServiceResponse()
+from support import lock_is_free, otlp_receiver
 
 
 @pytest.fixture
 def receiver():
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    servicer = Receiver()
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    yield servicer, port
-    server.stop(0)
+    with otlp_receiver() as (servicer, port):
+        yield servicer, port
 
 
 def attrs(span):
