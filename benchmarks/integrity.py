@@ -86,7 +86,6 @@ def main() -> None:
                 ),
                 flush=True,
             )
-            del t
 
     cache = torch.ones(NUM_BLOCKS, *BLOCK_SHAPE, dtype=torch.bfloat16, device=device)
     ids = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(0))[:RANDOM_BLOCKS].tolist()

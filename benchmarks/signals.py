@@ -9,7 +9,6 @@ per signal/register/finish with metrics on) and its memory must stay flat whatev
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import sys
 import threading

@@ -26,7 +26,6 @@ from kvobs import semconv as sc
 from kvobs.arguments import SpecError, compile_spec
 from kvobs.errors import TransferRejected
 from kvobs.locks import LockTimeout
-from kvobs.telemetry.logs import trace_fields
 from kvobs.validation import validate_transfer
 
 if TYPE_CHECKING:

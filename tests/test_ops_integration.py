@@ -25,7 +25,6 @@ exemplars (from the probe and from the demo) are stored for the latency panels' 
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from collections.abc import Iterator
@@ -53,7 +52,6 @@ from ops_support import (
     recording_rules,
     require_binary,
     rule_files,
-    skip_or_fail,
     split_threshold,
     start_alertmanager,
     start_prometheus,

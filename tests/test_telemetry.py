@@ -6,14 +6,12 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 from urllib.request import Request, urlopen
 
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
-from prometheus_client import CollectorRegistry
 from prometheus_client.openmetrics.exposition import generate_latest as openmetrics
 
 import kvobs
@@ -147,7 +145,7 @@ def test_no_tracer_configured_means_no_span_work(registry):
 
 
 def test_metrics_server_binds_loopback_and_serves_openmetrics(registry):
-    obs = kvobs.KVObserver("srv", registry=registry, integrity=None)
+    kvobs.KVObserver("srv", registry=registry, integrity=None)  # registers the families
     server, thread = kvobs.start_metrics_server(0, registry=registry)
     try:
         host, port = server.server_address[:2]
