@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 
 import torch
-from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 from prometheus_client import CollectorRegistry
 
 import kvobs
@@ -23,10 +22,9 @@ ENDPOINT = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "http://localhost:4317"
 
 def main() -> None:
     # A short export timeout bounds shutdown when the collector is down (the SDK default is 10 s).
-    # For OTLP/HTTP use opentelemetry.exporter.otlp.proto.http.trace_exporter.OTLPSpanExporter instead.
-    exporter = OTLPSpanExporter(endpoint=ENDPOINT, insecure=ENDPOINT.startswith("http://"), timeout=2)
+    # OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf switches to OTLP/HTTP.
     provider = kvobs.configure_tracing(
-        os.environ.get("OTEL_SERVICE_NAME", "kvobs-otlp-example"), exporter=exporter, set_global=False
+        os.environ.get("OTEL_SERVICE_NAME", "kvobs-otlp-example"), endpoint=ENDPOINT, timeout=2, set_global=False
     )
     obs = kvobs.KVObserver("otlp-example", tracer_provider=provider, registry=CollectorRegistry(), capacity=32)
     gpu_cache = torch.randn(32, 16, 4, 32, dtype=torch.float16)
@@ -44,9 +42,8 @@ def main() -> None:
 
     write_back("req-1", ["k0", "k1"], [0, 1])
     prefetch("req-2", ["k0", "k1"], [4, 5])
-    # As a context manager every spec is a value; a string would be read as an argument name, so a string
-    # request id goes in a lambda.
-    with obs.send(block_ids=[4, 5], cache=gpu_cache, request_id=lambda: "req-2"):
+    # As a context manager every spec is the value itself.
+    with obs.send(block_ids=[4, 5], cache=gpu_cache, request_id="req-2"):
         pass  # the layer-by-layer send to the decode node goes here
 
     provider.shutdown()  # flushes the batch; bounded by the exporter timeout above
