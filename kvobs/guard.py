@@ -10,6 +10,7 @@ cancelled coroutine); telemetry runs after the release and can never raise into 
 from __future__ import annotations
 
 import asyncio
+import copy
 import functools
 import inspect
 from contextvars import ContextVar
@@ -105,19 +106,21 @@ class Transfer:
     # -- decorator ---------------------------------------------------------------------------------------
 
     def __call__(self, func: Callable[..., Any]) -> Callable[..., Any]:
-        for name, spec in self.specs.items():
-            self._resolvers[name] = compile_spec(name, spec, func)
-        self._has_specs = any(self._resolvers.values())
+        """Decorate `func`. Specs are compiled against its signature, in a copy of this guard, so one guard
+        object may decorate several functions."""
+        guard = copy.copy(self)
+        guard._resolvers = {name: compile_spec(name, spec, func) for name, spec in self.specs.items()}
+        guard._has_specs = any(guard._resolvers.values())
         if inspect.iscoroutinefunction(func):
             async def guarded_async(*args: Any, **kwargs: Any) -> Any:
-                return await self._run_async(func, args, kwargs)
+                return await guard._run_async(func, args, kwargs)
 
             return functools.wraps(func)(guarded_async)
         if not self.observer.telemetry and self.policy is None:
-            return functools.wraps(func)(self._bare_wrapper(func))
+            return functools.wraps(func)(guard._bare_wrapper(func))
 
         def guarded(*args: Any, **kwargs: Any) -> Any:
-            return self._run(func, args, kwargs)
+            return guard._run(func, args, kwargs)
 
         return functools.wraps(func)(guarded)
 

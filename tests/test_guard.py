@@ -260,3 +260,19 @@ def test_async_rejection_holds_under_python_O(tmp_path):
     out = subprocess.run([sys.executable, "-O", str(script)], capture_output=True, text=True, timeout=60)
     assert "REJECTED" in out.stdout and "asynchronous" in out.stdout
     assert "OPTIMIZED" in out.stdout
+
+
+def test_one_guard_decorates_several_functions(cap):
+    guard = cap.observer.send(block_ids="ids")
+
+    @guard
+    def first(ids):
+        return ids
+
+    @guard
+    def second(layer, ids):
+        return layer, ids
+
+    assert first([1, 2]) == [1, 2]
+    assert second(7, [3]) == (7, [3])
+    assert cap.value(sc.TRANSFER_BLOCKS_TOTAL, path="send") == 3
