@@ -116,24 +116,11 @@ class KVObserver:
         """Guard a prefill -> decode send. Blocks are checked before the call."""
         return self.transfer(sc.PATH_SEND, **specs)
 
-    def transfer(
-        self,
-        path: str,
-        *,
-        keys: Any = None,
-        block_ids: Any = None,
-        sync: Any = None,
-        cache: Any = None,
-        nbytes: Any = None,
-        request_id: Any = None,
-        check: Any = None,
-    ) -> Transfer:
-        """A guard for `path`. Each spec is a parameter name, an attribute path such as "task.gpu_block_ids",
-        a callable taking the call's arguments, or (for context managers) the value itself."""
-        return Transfer(
-            self, self._known_path(path, "path"), keys=keys, block_ids=block_ids, sync=sync, cache=cache,
-            nbytes=nbytes, request_id=request_id, check=check,
-        )
+    def transfer(self, path: str, **specs: Any) -> Transfer:
+        """A guard for `path`. Specs (`keys`, `block_ids`, `sync`, `cache`, `nbytes`, `request_id`) are each a
+        parameter name, an attribute path such as "task.gpu_block_ids", a callable taking the call's
+        arguments, or (for context managers) the value itself; `check=` overrides the integrity policy."""
+        return Transfer(self, self._known_path(path, "path"), **specs)
 
     def signal_buffer(self, **options: Any) -> EarlySignalBuffer:
         """An EarlySignalBuffer reporting through this observer's metrics and logger. One per observer: the
