@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from urllib.request import Request, urlopen
 
 import pytest
@@ -189,3 +190,40 @@ def test_multiprocess_mode_two_real_workers_add_up(tmp_path):
     out = subprocess.run([sys.executable, "-c", scrape], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["12.0", "36.0", "12.0"]
+
+
+HOLDER = textwrap.dedent("""
+    import sys, time, kvobs
+    obs = kvobs.KVObserver("mp-held", integrity=None)
+    @obs.write_back(block_ids="ids")
+    def slow(ids):
+        print("holding", flush=True)
+        time.sleep(float(sys.argv[1]))
+    slow([1])
+""")
+
+
+def test_multiprocess_lock_held_gauge_is_refreshed_while_the_holder_is_stuck(tmp_path):
+    mp_dir = tmp_path / "prom"
+    mp_dir.mkdir()
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(mp_dir)}
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, "4"], env=env, stdout=subprocess.PIPE, text=True)
+    scrape = textwrap.dedent("""
+        from kvobs.telemetry.exposition import scrape_registry
+        print(scrape_registry().get_sample_value("kvobs_lock_held_seconds", {"engine": "mp-held", "lock": "thread"}))
+    """)
+
+    def held() -> float:
+        out = subprocess.run([sys.executable, "-c", scrape], env=env, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        return float(out.stdout)
+
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        time.sleep(1.0)
+        first = held()
+        time.sleep(1.0)
+        second = held()
+    finally:
+        holder.wait(timeout=60)
+    assert 0 < first < second
