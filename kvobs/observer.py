@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry
 
 from kvobs import semconv as sc
 from kvobs.guard import Transfer, TransferRecord, _Call
+from kvobs.lock_section import LockSection
 from kvobs.locks import CacheLock, LockTimeout, NullLock, ThreadLock
 from kvobs.signals import EarlySignalBuffer
 from kvobs.telemetry import metrics as tm
@@ -121,6 +122,12 @@ class KVObserver:
         parameter name, an attribute path such as "task.gpu_block_ids", a callable taking the call's
         arguments, or (for context managers) the value itself; `check=` overrides the integrity policy."""
         return Transfer(self, self._known_path(path, "path"), **specs)
+
+    def locked(self, holder: str = "forward") -> LockSection:
+        """The observer's lock for a holder that is not a transfer (the GPU worker's forward pass), as a
+        decorator or context manager: timed, released in finally, its wait and hold recorded under
+        `path=holder` in kvobs_lock_wait_seconds / kvobs_lock_hold_seconds."""
+        return LockSection(self, _label_value("holder", holder))
 
     def signal_buffer(self, **options: Any) -> EarlySignalBuffer:
         """An EarlySignalBuffer reporting through this observer's metrics and logger. One per observer: the

@@ -276,3 +276,47 @@ def test_one_guard_decorates_several_functions(cap):
     assert first([1, 2]) == [1, 2]
     assert second(7, [3]) == (7, [3])
     assert cap.value(sc.TRANSFER_BLOCKS_TOTAL, path="send") == 3
+
+
+def test_forward_pass_lock_section_is_timed_beside_the_transfers(cap):
+    obs = cap.observer
+    holding = threading.Event()
+    release = threading.Event()
+
+    @obs.locked("forward")
+    def execute_model():
+        holding.set()
+        release.wait(5)
+        return "logits"
+
+    results = []
+    t = threading.Thread(target=lambda: results.append(execute_model()))
+    t.start()
+    holding.wait(5)
+
+    @obs.write_back(block_ids="ids")
+    def write_back(ids):
+        return "stored"
+
+    threading.Timer(0.2, release.set).start()
+    assert write_back([1]) == "stored"   # waited behind the forward pass
+    t.join()
+    assert results == ["logits"]
+    assert lock_is_free(obs.lock)
+    assert cap.value(sc.LOCK_WAIT_SECONDS + "_sum", lock="thread", path="write_back") >= 0.15
+    assert cap.value(sc.LOCK_HOLD_SECONDS + "_sum", lock="thread", path="forward") >= 0.15
+    assert cap.value(sc.LOCK_WAIT_SECONDS + "_count", lock="thread", path="forward") == 1
+    assert cap.value(sc.TRANSFERS_TOTAL, path="write_back", outcome="ok") == 1
+
+    assert obs.lock.acquire(0)
+    try:
+        short = kvobs.KVObserver("fw", registry=cap.registry, lock=obs.lock, lock_timeout=0.1, integrity=None)
+        with pytest.raises(kvobs.LockTimeout, match="forward"):
+            with short.locked("forward"):
+                pass
+    finally:
+        obs.lock.release()
+    assert cap.registry.get_sample_value(
+        sc.LOCK_TIMEOUTS_TOTAL, {"engine": "fw", "lock": "thread", "path": "forward"}) == 1
+    with pytest.raises(ValueError, match="holder='bad holder'"):
+        obs.locked("bad holder")

@@ -358,21 +358,20 @@ class SimEngine:
 
     def _forward_loop(self) -> None:
         c = self.config
-        lock = self.observer.lock
+        execute_model = self.observer.locked("forward")  # its wait shows as kvobs_lock_wait_seconds{path="forward"}
         stats = self.stats
         while not self._stop.is_set():
             self._drain_finished()
             t0 = time.perf_counter()
-            if not lock.acquire(c.lock_timeout_s):
+            try:
+                with execute_model:
+                    stats.forward_lock_waits.append(time.perf_counter() - t0)
+                    issued = self._admit()
+                    self._compute_step()
+                    time.sleep(c.step_s)  # the rest of the step's GPU time, lock held (like execute_model)
+            except kvobs.LockTimeout:
                 self._count("lock_timeouts")
                 continue
-            stats.forward_lock_waits.append(time.perf_counter() - t0)
-            try:
-                issued = self._admit()
-                self._compute_step()
-                time.sleep(c.step_s)  # the rest of the step's GPU time, lock held (like execute_model)
-            finally:
-                lock.release()
             stats.forward_steps += 1
             for task in issued:
                 self._prefetch_q.put(task)

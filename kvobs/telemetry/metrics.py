@@ -164,6 +164,11 @@ class EngineMetrics:
         self.paths[path] = pm
         return pm
 
+    def lock_children(self, holder: str) -> tuple[Any, Any, Any]:
+        """Lock wait, hold and timeout children for a holder that is not a transfer path (the forward pass)."""
+        f, e, lk = self.families, self.engine, self.lock_name
+        return f.lock_wait.labels(e, lk, holder), f.lock_hold.labels(e, lk, holder), f.lock_timeouts.labels(e, lk, holder)
+
     def count_telemetry_error(self, stage: str) -> None:
         """Count a swallowed telemetry failure; never raises itself."""
         try:
