@@ -85,13 +85,16 @@ def histogram_quantile(q: float, buckets: Iterable[tuple[float, float]]) -> floa
 
 
 def lock_wait_buckets(registry: CollectorRegistry, engine: str) -> list[tuple[float, float]]:
-    """Cumulative buckets of kvobs_lock_wait_seconds for `engine`, summed over locks and paths."""
+    """Cumulative buckets of kvobs_lock_wait_seconds for `engine`, summed over locks and the transfer paths
+    (the forward pass's own wait, `path="forward"`, is reported separately)."""
     sums: dict[float, float] = {}
     for family in registry.collect():
         if family.name != sc.LOCK_WAIT_SECONDS:
             continue
         for sample in family.samples:
-            if sample.name.endswith("_bucket") and sample.labels.get(sc.LABEL_ENGINE) == engine:
+            labels = sample.labels
+            if (sample.name.endswith("_bucket") and labels.get(sc.LABEL_ENGINE) == engine
+                    and labels.get(sc.LABEL_PATH) in sc.PATHS):
                 le = float(sample.labels["le"])
                 sums[le] = sums.get(le, 0.0) + sample.value
     return sorted(sums.items())
