@@ -86,14 +86,7 @@ def threaded(metrics: EngineMetrics | None, slots: int, rounds: int) -> tuple[in
             for s in r:
                 buf.finish(s)
 
-    threads = [threading.Thread(target=worker, args=(i * share,)) for i in range(3)]
-    for t in threads:
-        t.start()
-    start.wait()
-    t0 = time.perf_counter_ns()
-    for t in threads:
-        t.join()
-    return time.perf_counter_ns() - t0, 3 * share * rounds * 4
+    return _run_threads(worker, [i * share for i in range(3)], start), 3 * share * rounds * 4
 
 
 def baseline_dict_lock(n: int, threads: int = 1) -> tuple[int, int]:
@@ -110,14 +103,19 @@ def baseline_dict_lock(n: int, threads: int = 1) -> tuple[int, int]:
             with lock:
                 d.pop((i & 1023) + offset, None)
 
-    workers = [threading.Thread(target=worker, args=(k * 1024,)) for k in range(threads)]
-    for t in workers:
+    return _run_threads(worker, [k * 1024 for k in range(threads)], start), 2 * n * threads
+
+
+def _run_threads(worker: Callable[[int], None], offsets: list[int], start: threading.Barrier) -> int:
+    """Start one thread per offset, release them together at `start`, and return the wall time in ns."""
+    threads = [threading.Thread(target=worker, args=(offset,)) for offset in offsets]
+    for t in threads:
         t.start()
     start.wait()
     t0 = time.perf_counter_ns()
-    for t in workers:
+    for t in threads:
         t.join()
-    return time.perf_counter_ns() - t0, 2 * n * threads
+    return time.perf_counter_ns() - t0
 
 
 def baseline_counter(n: int) -> tuple[int, int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -94,11 +95,17 @@ def test_json_summary_on_stdout_progress_on_stderr():
     assert "[unguarded]" in proc.stderr and "[guarded]" in proc.stderr
 
 
-def test_table_and_busy_metrics_port_is_only_a_warning():
+@contextlib.contextmanager
+def busy_port():
+    """A loopback port that something is already listening on."""
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
-        port = busy.getsockname()[1]
+        yield busy.getsockname()[1]
+
+
+def test_table_and_busy_metrics_port_is_only_a_warning():
+    with busy_port() as port:
         proc = subprocess.run(
             kvobs_cmd("demo", "--duration", "1", "--metrics-port", str(port), "--quiet"),
             capture_output=True, text=True, timeout=90, env=ENV,
@@ -188,10 +195,7 @@ def test_serve_exports_every_metric_with_traffic_and_stops_cleanly(serving, stop
 
 
 def test_serve_on_a_busy_port_fails_fast():
-    with socket.socket() as busy:
-        busy.bind(("127.0.0.1", 0))
-        busy.listen()
-        port = busy.getsockname()[1]
+    with busy_port() as port:
         proc = subprocess.run(
             kvobs_cmd("demo", "--serve", "--metrics-port", str(port), "--quiet"),
             capture_output=True, text=True, timeout=60, env=ENV,
