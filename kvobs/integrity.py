@@ -38,6 +38,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvobs.errors import CorruptKVError
 from kvobs.policy import POLICIES, IntegrityPolicy, Sampler
 from kvobs.semconv import CHECK_CLEAN, CHECK_INF, CHECK_NAN
 
@@ -54,7 +55,6 @@ __all__ = [
 ]
 
 _FP8_CHUNK_ELEMENTS = 1 << 24  # 16 Mi elements: a 32 MiB fp16 temporary per chunk
-_SHOWN_IDS = 8
 
 
 @dataclass(frozen=True)
@@ -78,26 +78,6 @@ class CheckResult:
         if self.nan_block_ids:
             return CHECK_NAN
         return CHECK_INF if self.inf_block_ids else CHECK_CLEAN
-
-
-class CorruptKVError(RuntimeError):
-    """Raised by the 'raise' policy before corrupt data moves on."""
-
-    def __init__(self, path: str, result: CheckResult):
-        self.path = path
-        self.result = result
-        self.bad_block_ids = result.bad_block_ids
-        shown = ", ".join(map(str, self.bad_block_ids[:_SHOWN_IDS]))
-        more = ", ..." if len(self.bad_block_ids) > _SHOWN_IDS else ""
-        super().__init__(
-            f"corrupt KV cache on path {path!r}: {len(self.bad_block_ids)} of {result.checked_blocks} "
-            f"checked blocks hold non-finite values ({len(result.nan_block_ids)} NaN, "
-            f"{len(result.inf_block_ids)} Inf); bad block ids: [{shown}{more}]"
-        )
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        # The default reduce would call __init__(message) and fail; pickle the real arguments instead.
-        return (type(self), (self.path, self.result))
 
 
 def check_blocks(cache: Any, block_ids: Iterable[int], *, block_dim: int = 0) -> CheckResult:

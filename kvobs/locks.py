@@ -20,23 +20,9 @@ import warnings
 import weakref
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from kvobs.errors import LockTimeout
+
 __all__ = ["CacheLock", "LockTimeout", "NullLock", "ProcessLock", "ThreadLock"]
-
-
-class LockTimeout(TimeoutError):
-    """Raised when the cache lock was not acquired in time. Pickles (multiprocessing must carry it)."""
-
-    def __init__(self, lock_name: str, waited_s: float, path: str | None = None) -> None:
-        where = f" (path={path})" if path else ""
-        # One message argument: given several, OSError would read them as (errno, strerror, filename).
-        super().__init__(f"cache lock {lock_name!r} not acquired within {waited_s:.3f} s{where}")
-        self.lock_name = lock_name
-        self.waited_s = waited_s
-        self.path = path
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        # OSError's own reduce rebuilds from args (the message) and would not call our __init__ correctly.
-        return type(self), (self.lock_name, self.waited_s, self.path)
 
 
 @runtime_checkable

@@ -21,7 +21,16 @@ OUTCOME_OK: Final = "ok"
 OUTCOME_ERROR: Final = "error"
 OUTCOME_TIMEOUT: Final = "timeout"
 OUTCOME_REJECTED: Final = "rejected"
-TRANSFER_OUTCOMES: Final = (OUTCOME_OK, OUTCOME_ERROR, OUTCOME_TIMEOUT, OUTCOME_REJECTED)
+OUTCOME_ABANDONED: Final = "abandoned"  # never completed before its deadline
+TRANSFER_OUTCOMES: Final = (OUTCOME_OK, OUTCOME_ERROR, OUTCOME_TIMEOUT, OUTCOME_REJECTED, OUTCOME_ABANDONED)
+
+# Holders of the cache lock that are not transfers (label `path` of the lock metrics).
+HOLDER_FORWARD: Final = "forward"
+
+# Modes of a claim on the cache lock: transfers that read blocks share them, writers exclude.
+CLAIM_SHARED: Final = "shared"
+CLAIM_EXCLUSIVE: Final = "exclusive"
+CLAIM_MODES: Final = (CLAIM_SHARED, CLAIM_EXCLUSIVE)
 
 # Results of one NaN/Inf check.
 CHECK_CLEAN: Final = "clean"
@@ -54,6 +63,9 @@ LABEL_OUTCOME: Final = "outcome"
 LABEL_LOCK: Final = "lock"
 LABEL_RESULT: Final = "result"
 LABEL_VERSION: Final = "version"
+LABEL_HOLDER_PATH: Final = "holder_path"
+LABEL_MODE: Final = "mode"
+LABEL_STAGE: Final = "stage"
 
 # Metric names as exposed (counters carry `_total` in exposition; prometheus_client adds it).
 TRANSFERS_TOTAL: Final = "kvobs_transfers_total"
@@ -61,10 +73,13 @@ TRANSFER_DURATION_SECONDS: Final = "kvobs_transfer_duration_seconds"
 TRANSFER_BLOCKS_TOTAL: Final = "kvobs_transfer_blocks_total"
 TRANSFER_BYTES_TOTAL: Final = "kvobs_transfer_bytes_total"
 TRANSFERS_IN_FLIGHT: Final = "kvobs_transfers_in_flight"
+TRANSFER_OLDEST_OPEN_AGE_SECONDS: Final = "kvobs_transfer_oldest_open_age_seconds"
 LOCK_WAIT_SECONDS: Final = "kvobs_lock_wait_seconds"
 LOCK_HOLD_SECONDS: Final = "kvobs_lock_hold_seconds"
 LOCK_TIMEOUTS_TOTAL: Final = "kvobs_lock_timeouts_total"
 LOCK_HELD_SECONDS: Final = "kvobs_lock_held_seconds"
+LOCK_CONFLICTS_TOTAL: Final = "kvobs_lock_conflicts_total"
+LOCK_BLOCKS_CLAIMED: Final = "kvobs_lock_blocks_claimed"
 NAN_CHECKS_TOTAL: Final = "kvobs_nan_checks_total"
 NAN_BLOCKS_TOTAL: Final = "kvobs_nan_blocks_total"
 PENDING_SIGNALS: Final = "kvobs_pending_signals"
@@ -81,10 +96,13 @@ METRIC_LABELS: Final[dict[str, tuple[str, ...]]] = {
     TRANSFER_BLOCKS_TOTAL: (LABEL_ENGINE, LABEL_PATH),
     TRANSFER_BYTES_TOTAL: (LABEL_ENGINE, LABEL_PATH),
     TRANSFERS_IN_FLIGHT: (LABEL_ENGINE, LABEL_PATH),
+    TRANSFER_OLDEST_OPEN_AGE_SECONDS: (LABEL_ENGINE, LABEL_PATH),
     LOCK_WAIT_SECONDS: (LABEL_ENGINE, LABEL_LOCK, LABEL_PATH),
     LOCK_HOLD_SECONDS: (LABEL_ENGINE, LABEL_LOCK, LABEL_PATH),
     LOCK_TIMEOUTS_TOTAL: (LABEL_ENGINE, LABEL_LOCK, LABEL_PATH),
     LOCK_HELD_SECONDS: (LABEL_ENGINE, LABEL_LOCK),
+    LOCK_CONFLICTS_TOTAL: (LABEL_ENGINE, LABEL_LOCK, LABEL_PATH, LABEL_HOLDER_PATH),
+    LOCK_BLOCKS_CLAIMED: (LABEL_ENGINE, LABEL_LOCK, LABEL_MODE),
     NAN_CHECKS_TOTAL: (LABEL_ENGINE, LABEL_PATH, LABEL_RESULT),
     NAN_BLOCKS_TOTAL: (LABEL_ENGINE, LABEL_PATH),
     PENDING_SIGNALS: (LABEL_ENGINE,),
@@ -92,7 +110,7 @@ METRIC_LABELS: Final[dict[str, tuple[str, ...]]] = {
     SIGNALS_TOTAL: (LABEL_ENGINE, LABEL_OUTCOME),
     SIGNAL_BUFFERED_SECONDS: (LABEL_ENGINE,),
     BUILD_INFO: (LABEL_VERSION,),
-    TELEMETRY_ERRORS_TOTAL: (LABEL_ENGINE, "stage"),
+    TELEMETRY_ERRORS_TOTAL: (LABEL_ENGINE, LABEL_STAGE),
 }
 
 # Histogram buckets in seconds: they start well below a millisecond (a lock pair costs ~100 ns).
