@@ -18,45 +18,110 @@ import threading
 import time
 import warnings
 import weakref
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from collections import deque
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
+from kvobs.atomic import Held, push_if, push_unless_raises, release_now
 from kvobs.errors import LockTimeout
 
-__all__ = ["CacheLock", "LockTimeout", "NullLock", "ProcessLock", "ThreadLock"]
+__all__ = ["CacheLock", "Claim", "LockTimeout", "NullLock", "ProcessLock", "ThreadLock"]
+
+
+class Claim(NamedTuple):
+    """What one holder asks of the cache lock.
+
+    holder: the path or holder name ("prefetch", "forward"), reported to waiters that conflict with it.
+    blocks: sorted distinct block ids the holder touches; empty means the whole cache.
+    exclusive: writers (prefetch, the forward pass) exclude everyone; readers (write-back, send) may share
+        with other readers where the lock supports shared claims (global locks treat every claim as exclusive).
+    """
+
+    holder: str
+    blocks: tuple[int, ...] = ()
+    exclusive: bool = True
+
+
+OnConflict = Callable[[str], None]
 
 
 @runtime_checkable
 class CacheLock(Protocol):
-    """What a guarded transfer needs from a lock: timed acquire, release, and how long it has been held."""
+    """What a transfer lifecycle needs from a cache lock.
+
+    `acquire_into(held, claim, timeout, on_conflict)` waits up to `timeout` seconds (None: forever, 0: one
+    try) and keeps one invariant at every bytecode boundary, asynchronous exceptions included: running the
+    undo steps in the deque `held` (newest first, each once) releases exactly what this lock holds for the
+    claim. Each step of an acquisition pushes its undo in the same C-level call that performs it (see
+    `kvobs.atomic`). True when the whole claim is held; False on timeout, with `held` left as it was (no
+    partial claim). The undo steps may run on any thread. `on_conflict(holder)` is called at most once per
+    acquisition, when the claim had to wait, with the holder it waited for ("unknown" when it cannot tell).
+    """
 
     name: str
 
-    def acquire(self, timeout: float | None = None) -> bool:
-        """True when acquired, False when ``timeout`` expired (None waits forever, 0 tries once)."""
+    def acquire_into(
+        self, held: Held, claim: Claim, timeout: float | None, on_conflict: OnConflict | None = None
+    ) -> bool: ...
 
-    def release(self) -> None: ...
+    def overlaps(self, a: Claim, b: Claim) -> bool:
+        """Whether two claims on this lock exclude each other (a context holding `a` must not wait for `b`)."""
 
     def held_for(self) -> float:
-        """Seconds the holder in this process has held the lock; 0.0 when this process does not hold it."""
-
-    def __enter__(self) -> CacheLock: ...
-
-    def __exit__(self, *exc_info: object) -> None: ...
+        """Seconds the longest current holder in this process has held the lock; 0.0 when none does."""
 
 
-class _ContextLock:
-    """``with lock:`` acquires with the lock's default timeout and raises :class:`LockTimeout` on failure."""
+UNKNOWN_HOLDER = "unknown"
+
+
+class _ExclusiveLock:
+    """Shared by ThreadLock and ProcessLock: one exclusive holder at a time, plus a direct `with lock:` API.
+
+    The direct API (`acquire(timeout)`, `release()`, `with lock:`) is for code outside kvobs's guards; it keeps
+    its own undo deque, so it is as interrupt-safe as the lifecycle.
+    """
 
     name: str
     timeout: float | None
+    _since: float
+    _holder: str
 
-    if TYPE_CHECKING:
+    def acquire_into(
+        self, held: Held, claim: Claim, timeout: float | None, on_conflict: OnConflict | None = None
+    ) -> bool:
+        raise NotImplementedError
 
-        def acquire(self, timeout: float | None = None) -> bool: ...
+    def _start_holding(self, held: Held, claim: Claim) -> None:
+        """Record the holder for `held_for()` and conflict reports; the reset is queued first, so it can
+        never be skipped."""
+        held.appendleft(self._reset_holder)
+        self._since = time.monotonic()
+        self._holder = claim.holder
 
-        def release(self) -> None: ...
+    def _init_holding(self) -> None:
+        self._since = 0.0
+        self._holder = UNKNOWN_HOLDER
+        self._reset_holder = functools.partial(self.__dict__.update, _since=0.0, _holder=UNKNOWN_HOLDER)
+        self._direct: Held = deque()
 
-    def __enter__(self) -> _ContextLock:
+    def overlaps(self, a: Claim, b: Claim) -> bool:
+        return True
+
+    def held_for(self) -> float:
+        since = self._since
+        return time.monotonic() - since if since else 0.0
+
+    def acquire(self, timeout: float | None = None) -> bool:
+        """Take the lock outside a kvobs guard; True when acquired, False when `timeout` expired."""
+        return self.acquire_into(self._direct, Claim("direct"), timeout)
+
+    def release(self) -> None:
+        """Release what `acquire()` took; RuntimeError if it is not held that way."""
+        if not self._direct:
+            raise RuntimeError(f"release of {self!r}, which acquire() does not hold")
+        release_now(self._direct)
+
+    def __enter__(self) -> _ExclusiveLock:
         if not self.acquire(self.timeout):
             raise LockTimeout(self.name, self.timeout or 0.0)
         return self
@@ -65,32 +130,26 @@ class _ContextLock:
         self.release()
 
 
-class ThreadLock(_ContextLock):
+class ThreadLock(_ExclusiveLock):
     """Excludes threads of one process; uncontended, it costs little more than a bare ``threading.Lock``."""
 
     def __init__(self, name: str = "thread", timeout: float | None = None) -> None:
         self.name = name
         self.timeout = timeout
         self._lock = threading.Lock()
-        self._since = 0.0
+        self._init_holding()
 
-    def acquire(self, timeout: float | None = None) -> bool:
-        if timeout is None:
-            ok = self._lock.acquire()
-        else:
-            # Untimed try first, then positional arguments: a keyword timeout costs several acquires.
-            ok = self._lock.acquire(False) or (timeout > 0 and self._lock.acquire(True, timeout))
-        if ok:
-            self._since = time.monotonic()
-        return ok
-
-    def release(self) -> None:
-        self._since = 0.0
-        self._lock.release()
-
-    def held_for(self) -> float:
-        since = self._since
-        return time.monotonic() - since if since else 0.0
+    def acquire_into(
+        self, held: Held, claim: Claim, timeout: float | None, on_conflict: OnConflict | None = None
+    ) -> bool:
+        lock = self._lock
+        if not push_if(held, lock.release, lock.acquire, False):
+            if on_conflict is not None:
+                on_conflict(self._holder)
+            if timeout == 0 or not push_if(held, lock.release, lock.acquire, True, _wait_arg(timeout)):
+                return False
+        self._start_holding(held, claim)
+        return True
 
     def __repr__(self) -> str:
         return f"ThreadLock({self.name!r})"
@@ -105,6 +164,14 @@ class NullLock:
     def __init__(self, name: str = "none", timeout: float | None = None) -> None:
         self.name = name
         self.timeout = timeout
+
+    def acquire_into(
+        self, held: Held, claim: Claim, timeout: float | None, on_conflict: OnConflict | None = None
+    ) -> bool:
+        return True
+
+    def overlaps(self, a: Claim, b: Claim) -> bool:
+        return False
 
     def acquire(self, timeout: float | None = None) -> bool:
         return True
@@ -123,6 +190,11 @@ class NullLock:
 
     def __repr__(self) -> str:
         return f"NullLock({self.name!r})"
+
+
+def _wait_arg(timeout: float | None) -> float:
+    """`threading.Lock.acquire`'s positional timeout: -1 waits forever."""
+    return -1 if timeout is None else timeout
 
 
 _NAME = re.compile(r"[A-Za-z0-9_.-]+")
@@ -184,13 +256,14 @@ def _open_lock_file(path: str, create: bool) -> int:
     return fd
 
 
-class ProcessLock(_ContextLock):
+class ProcessLock(_ExclusiveLock):
     """Excludes threads and processes on one host: an in-process mutex, then ``fcntl.flock`` on a file.
 
     ``flock`` alone is not enough: it belongs to the open file description, so two threads sharing the fd
     both "hold" it. The mutex orders threads; the flock orders processes, and the kernel drops it when a
     holder dies, even by SIGKILL. The file is never unlinked: unlinking would let a new opener lock a
-    different inode than a current holder.
+    different inode than a current holder. Either lock may be released by another thread than the one
+    that took it (a transfer can complete on another thread).
     """
 
     def __init__(
@@ -211,7 +284,7 @@ class ProcessLock(_ContextLock):
         self.path = os.path.join(self.directory, f"kvobs-{name}.lock")
         self._fd = _open_lock_file(self.path, create)
         self._mutex = threading.Lock()
-        self._since = 0.0
+        self._init_holding()
         _LOCKS.add(self)
 
     @classmethod
@@ -230,34 +303,37 @@ class ProcessLock(_ContextLock):
         attach = functools.partial(ProcessLock.attach, directory=self.directory, timeout=self.timeout)
         return attach, (self.name,)
 
-    def acquire(self, timeout: float | None = None) -> bool:
-        if timeout is None:
-            deadline = None
-            self._mutex.acquire()
-        else:
-            deadline = time.monotonic() + timeout  # the mutex wait counts against the timeout too
-            if not (self._mutex.acquire(False) or (timeout > 0 and self._mutex.acquire(True, timeout))):
+    def acquire_into(
+        self, held: Held, claim: Claim, timeout: float | None, on_conflict: OnConflict | None = None
+    ) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout  # the mutex wait counts too
+        mutex = self._mutex
+        if not push_if(held, mutex.release, mutex.acquire, False):
+            if on_conflict is not None:
+                on_conflict(self._holder)
+                on_conflict = None
+            if timeout == 0 or not push_if(held, mutex.release, mutex.acquire, True, _wait_arg(timeout)):
                 return False
-        try:
-            ok = self._flock(deadline)
-        except BaseException:
-            self.release()  # LOCK_UN is harmless if the flock was not taken
-            raise
-        if not ok:
-            self._mutex.release()
+        if not self._flock_into(held, deadline, on_conflict):
+            release_now(held)
             return False
-        self._since = time.monotonic()
+        self._start_holding(held, claim)
         return True
 
-    def _flock(self, deadline: float | None) -> bool:
+    def _flock_into(self, held: Held, deadline: float | None, on_conflict: OnConflict | None) -> bool:
         """Poll ``LOCK_NB`` with short exponential backoff: a blocking flock could not honour the deadline."""
+        fd = self._fd
+        unlock = functools.partial(fcntl.flock, fd, fcntl.LOCK_UN)
         sleep_s = _FIRST_SLEEP_S
         while True:
             try:
-                fcntl.flock(self._fd, _EX_NB)
+                push_unless_raises(held, unlock, fcntl.flock, fd, _EX_NB)
                 return True
             except BlockingIOError:
                 pass
+            if on_conflict is not None:
+                on_conflict(UNKNOWN_HOLDER)  # another process: its holder is not visible from here
+                on_conflict = None
             if deadline is None:
                 time.sleep(sleep_s)
             else:
@@ -266,17 +342,6 @@ class ProcessLock(_ContextLock):
                     return False
                 time.sleep(min(sleep_s, remaining))
             sleep_s = min(sleep_s * 2, _MAX_SLEEP_S)
-
-    def release(self) -> None:
-        self._since = 0.0
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-        finally:
-            self._mutex.release()
-
-    def held_for(self) -> float:
-        since = self._since
-        return time.monotonic() - since if since else 0.0
 
     def close(self) -> None:
         """Close the file descriptor (which drops the flock if held). Idempotent."""
@@ -290,7 +355,7 @@ class ProcessLock(_ContextLock):
         os.close(self._fd)
         self._fd = -1
         self._mutex = threading.Lock()  # a parent thread may have held it at fork time
-        self._since = 0.0
+        self._init_holding()
         self._fd = _open_lock_file(self.path, create=False)
 
     def __repr__(self) -> str:

@@ -1,0 +1,66 @@
+"""Bookkeeping that an asynchronous exception cannot tear: what is held is always known, and released once.
+
+Python runs signal handlers (Ctrl-C's KeyboardInterrupt among them) between bytecodes, notably right after a
+call into C returns. So `ok = lock.acquire(); self.held = ok` can be interrupted after the lock is taken and
+before anyone knows, and `self.held = False; lock.release()` after the record is cleared and before the lock
+is free: either way the lock leaks. A bare `with threading.Lock():` never leaks, because the interpreter
+acquires and registers the exit in C.
+
+kvobs gets the same guarantee by never letting bytecode run between an action and its record:
+
+- `push_if(held, undo, attempt, *args)` calls `attempt(*args)` and, when it succeeds, pushes `undo` onto the
+  `held` deque inside ONE C-level call (`deque.extendleft` consuming a lazy `map`). At every bytecode
+  boundary `held` lists exactly the undo steps of what is held, newest first.
+- `one_shot_release(held)` is built BEFORE anything is acquired and returns a callable that runs every undo
+  in `held` (newest first) and then clears it, again inside one C-level call. It does its work at most once,
+  from any thread, so cleanup paths may call it freely.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from collections import deque
+from collections.abc import Callable
+from itertools import chain, compress, islice
+from typing import Any
+
+Held = deque  # of zero-argument undo callables, newest first
+
+_CALL = operator.methodcaller("__call__")
+
+
+def push_if(held: Held, undo: Callable[[], Any], attempt: Callable[..., Any], *args: Any) -> bool:
+    """Run `attempt(*args)`; if it returns a true value, record `undo` in `held` in the same C call.
+
+    An exception raised by `attempt` records nothing. Returns whether `undo` was recorded.
+    """
+    before = len(held)
+    held.extendleft(compress((undo,), map(attempt, *[(a,) for a in args])))
+    return len(held) != before
+
+
+def push_unless_raises(held: Held, undo: Callable[[], Any], attempt: Callable[..., Any], *args: Any) -> None:
+    """Run `attempt(*args)` (for calls such as `fcntl.flock` that return None and raise on failure) and
+    record `undo` in the same C call unless it raised."""
+    held.extendleft(map(operator.itemgetter(1), zip(map(attempt, *[(a,) for a in args]), (undo,))))
+
+
+def one_shot_release(held: Held) -> Callable[[], Any]:
+    """A callable that runs the undo steps in `held` (newest first), then empties it; a no-op afterwards.
+
+    Build it before acquiring: the iterators read `held` lazily, when the callable first runs.
+    """
+    return functools.partial(deque, map(_CALL, chain(held, (held.clear,))), 0)
+
+
+def release_now(held: Held) -> None:
+    """Undo everything in `held` at once. If interrupted before it starts, `held` is intact for a retry."""
+    deque(map(_CALL, chain(held, (held.clear,))), 0)
+
+
+def one_shot_token() -> Callable[[list], None]:
+    """`take(into)` moves the single token into the list `into` for the first caller only, in one C call:
+    the taker knows it won even if it is interrupted right after."""
+    tokens = iter((True,))
+    return lambda into: into.extend(islice(tokens, 1))
