@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -13,11 +14,13 @@ import time
 import urllib.request
 
 import pytest
+from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvobs import semconv as sc
 from kvobs.cli import build_parser, main
-from kvobs.sim.report import EXTRA_FIELDS, RUN_FIELDS, SCHEMA_VERSION
+from kvobs.sim.report import EXTRA_FIELDS, NULLABLE_FIELDS, RUN_FIELDS, SCHEMA_VERSION
+from support import otlp_receiver
 
 ENV = {**os.environ, "OTEL_TRACES_EXPORTER": "none", "PYTHONUNBUFFERED": "1"}
 ENV.pop("PROMETHEUS_MULTIPROC_DIR", None)
@@ -44,16 +47,35 @@ def test_parser_contract():
     assert args.fault == ["stale-signal", "nan"]
     assert args.otlp_endpoint == "http://127.0.0.1:4317"
     defaults = build_parser().parse_args(["demo"])
-    assert (defaults.duration, defaults.seed, defaults.fault, defaults.serve) == (10.0, 0, [], False)
+    # --duration and --metrics-addr default to "not given": their meaning depends on --serve and --metrics-port
+    assert (defaults.duration, defaults.seed, defaults.fault, defaults.serve) == (None, 0, [], False)
+    assert (defaults.metrics_port, defaults.metrics_addr) == (9464, None)
 
 
-@pytest.mark.parametrize("bad", [
-    ["demo", "--fault", "bogus"], ["demo", "--duration", "0"], ["demo", "--metrics-port", "70000"], [],
+@pytest.mark.parametrize("bad, message", [
+    (["demo", "--fault", "bogus"], "argument --fault: invalid choice: 'bogus'"),
+    (["demo", "--duration", "0"], "argument --duration: expected a positive, finite number of seconds, got '0'"),
+    (["demo", "--duration", "abc"], "argument --duration: expected a positive number of seconds, got 'abc'"),
+    (["demo", "--duration", "inf"], "argument --duration: expected a positive, finite number of seconds, got 'inf'"),
+    (["demo", "--duration", "nan"], "argument --duration: expected a positive, finite number of seconds, got 'nan'"),
+    (["demo", "--duration", "1e308"], "argument --duration: expected at most 86400 seconds (one day), got '1e308'"),
+    (["demo", "--seed", "x"], "argument --seed: expected a whole number, got 'x'"),
+    (["demo", "--metrics-port", "70000"], "argument --metrics-port: expected a TCP port from 0 to 65535, got '70000'"),
+    (["demo", "--metrics-port", "abc"], "argument --metrics-port: expected a TCP port from 0 to 65535, got 'abc'"),
+    (["demo", "--otlp-endpoint", "localhost"], "argument --otlp-endpoint: expected an http:// or https:// URL"),
+    (["demo", "--otlp-endpoint", "http://h:99999"], "argument --otlp-endpoint: expected an http:// or https:// URL"),
+    (["demo", "--serve", "--metrics-port", "0"], "--metrics-port 0 would serve nothing"),
+    (["demo", "--serve", "--json"], "--json prints the comparison's summary; --serve prints none"),
+    (["demo", "--metrics-port", "0", "--metrics-addr", "::"], "--metrics-addr has no effect with --metrics-port 0"),
+    ([], "the following arguments are required: COMMAND"),
 ])
-def test_bad_arguments_exit_2(bad, capsys):
+def test_bad_arguments_exit_2_with_a_message_naming_the_flag(bad, message, capsys):
     with pytest.raises(SystemExit) as exc:
         main(bad)
     assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert not re.search(r"invalid \w+ value", err), err  # argparse's wording with an internal function name
 
 
 def test_version(capsys):
@@ -64,8 +86,8 @@ def test_version(capsys):
 
 
 def check_schema(doc: dict) -> None:
-    """The documented --json schema (docs/demo.md), version 1."""
-    assert doc["schema_version"] == SCHEMA_VERSION == 1
+    """The documented --json schema (docs/demo.md), version 2."""
+    assert doc["schema_version"] == SCHEMA_VERSION == 2
     assert isinstance(doc["seed"], int)
     assert isinstance(doc["duration_s"], float)
     assert isinstance(doc["faults"], list)
@@ -73,9 +95,9 @@ def check_schema(doc: dict) -> None:
     assert set(doc["runs"]) == {"unguarded", "guarded"}
     for name, run in doc["runs"].items():
         assert run["mode"] == name
-        for key, _, typ in RUN_FIELDS:
-            assert type(run[key]) is typ, (name, key, run[key])
-        for key, typ in EXTRA_FIELDS:
+        for key, typ in (*((k, t) for k, _, t in RUN_FIELDS), *EXTRA_FIELDS):
+            if key in NULLABLE_FIELDS and run[key] is None:
+                continue
             assert type(run[key]) is typ, (name, key, run[key])
         assert run["transfers_done"] == run["prefetch_done"] + run["write_back_done"] + run["send_done"]
     assert set(doc["incidents"]) == {"unguarded_nan_incident", "unguarded_hang_incident", "guarded_clean"}
@@ -92,7 +114,24 @@ def test_json_summary_on_stdout_progress_on_stderr():
     check_schema(doc)
     assert (doc["seed"], doc["duration_s"], doc["faults"]) == (5, 1.5, [])
     assert doc["incidents"]["guarded_clean"] is True
+    assert (doc["runs"]["unguarded"]["guarded"], doc["runs"]["guarded"]["guarded"]) == (False, True)
+    assert all(doc["runs"]["unguarded"][key] is None for key in NULLABLE_FIELDS)  # it takes no lock
+    assert all(isinstance(doc["runs"]["guarded"][key], float) for key in NULLABLE_FIELDS)
     assert "[unguarded]" in proc.stderr and "[guarded]" in proc.stderr
+    assert "traces: recorded in-process, not exported" in proc.stderr
+
+
+def test_otlp_endpoint_receives_the_demo_spans():
+    with otlp_receiver() as (receiver, port):
+        proc = subprocess.run(
+            kvobs_cmd("demo", "--duration", "0.5", "--metrics-port", "0", "--quiet",
+                      "--otlp-endpoint", f"http://127.0.0.1:{port}"),
+            capture_output=True, text=True, timeout=90, env=ENV,
+        )
+        assert proc.returncode == 0, proc.stderr
+    names = {span.name for _, span in receiver.spans}
+    assert {sc.span_name(path) for path in sc.PATHS} <= names, names
+    assert {service.get("service.name") for service, _ in receiver.spans} == {"kvobs-demo"}
 
 
 @contextlib.contextmanager
@@ -192,6 +231,36 @@ def test_serve_exports_every_metric_with_traffic_and_stops_cleanly(serving, stop
     err = proc.stderr.read()
     assert "stopped after" in err, err
     assert "Traceback" not in err, err
+
+
+def trace_exemplars(port: int) -> list:
+    """The trace ids on the transfer-latency buckets of an OpenMetrics scrape (what Prometheus stores)."""
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics",
+                                     headers={"Accept": "application/openmetrics-text; version=1.0.0"})
+    text = urllib.request.urlopen(request, timeout=2).read().decode()
+    return [s.exemplar.labels["trace_id"] for fam in openmetrics_families(text) for s in fam.samples
+            if s.name == sc.TRANSFER_DURATION_SECONDS + "_bucket" and s.exemplar is not None]
+
+
+def test_serve_for_a_duration_stops_by_itself_and_its_metrics_carry_trace_exemplars_without_an_endpoint():
+    port = free_port()
+    proc = subprocess.Popen(kvobs_cmd("demo", "--serve", "--duration", "4", "--metrics-port", str(port)),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        wait_scrape(proc, port)
+        exemplars: list = []
+        while not exemplars and proc.poll() is None:
+            time.sleep(0.3)
+            with contextlib.suppress(OSError):
+                exemplars = trace_exemplars(port)
+        assert exemplars and all(re.fullmatch(r"[0-9a-f]{32}", t) and set(t) != {"0"} for t in exemplars)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    err = proc.stderr.read()
+    assert "for 4 s" in err and "traces: recorded in-process, not exported" in err and "stopped after" in err, err
 
 
 def test_serve_on_a_busy_port_fails_fast():

@@ -1,15 +1,12 @@
-"""Running the simulated engine for `kvobs demo`: the two-run comparison and the `--serve` mode.
+"""Running the simulated engine for `kvobs demo`: the runs side by side, and the `--serve` mode.
 
-Each run builds its own CollectorRegistry, so the two runs never mix metrics. During the comparison the
-metrics endpoint serves whichever run is active; `--serve` serves the guarded engine's registry.
-Progress goes to stderr (one line per second, or one rewritten line on a terminal); results go to stdout
-(printed by the CLI).
+Each run builds its own CollectorRegistry, so runs never mix metrics. During the comparison the metrics
+endpoint serves whichever run is active; `--serve` serves the guarded engine's registry. Progress goes to
+stderr; results go to stdout (printed by the CLI).
 """
 
 from __future__ import annotations
 
-import os
-import signal
 import sys
 import threading
 import time
@@ -19,25 +16,30 @@ from typing import Any, TextIO
 from prometheus_client import CollectorRegistry
 
 import kvobs
-from kvobs.sim.engine import SimConfig, SimEngine
+from kvobs.cli import DEFAULT_DURATION_S, DEFAULT_METRICS_PORT
+from kvobs.sim.config import SimConfig
+from kvobs.sim.engine import SimEngine, SimulationFailed
+from kvobs.sim.progress import Progress, install_stop_handlers, status_line
 from kvobs.sim.report import run_summary, summary_dict
+from kvobs.sim.runs import RUNS, SERVED_RUN, RunSpec
+from kvobs.sim.tracing import DemoTracing, otlp_endpoint
 
-DEFAULT_METRICS_PORT = 9464
 SERVE_SIGNAL_TTL_S = 3600.0  # a stale signal must stay pending (and age) while Prometheus watches
 SERVE_PROGRESS_INTERVAL_S = 5.0
+POLL_S = 0.05
 
 
 @dataclass
 class DemoOptions:
-    duration_s: float = 10.0  # per run
+    duration_s: float | None = DEFAULT_DURATION_S  # per run; for `serve`, None runs until stopped
     seed: int = 0
     metrics_port: int = DEFAULT_METRICS_PORT  # 0: do not serve
     metrics_addr: str = "127.0.0.1"
     otlp_endpoint: str | None = None
     faults: frozenset[str] = frozenset()
     quiet: bool = False
-    modes: tuple[str, ...] = ("unguarded", "guarded")
-    config: SimConfig = field(default_factory=SimConfig)  # the template both runs start from
+    runs: tuple[RunSpec, ...] = RUNS
+    config: SimConfig = field(default_factory=SimConfig)  # the template every run starts from
 
 
 class _ActiveRun:
@@ -49,108 +51,6 @@ class _ActiveRun:
     def collect(self) -> Any:
         registry = self.registry
         return registry.collect() if registry is not None else iter(())
-
-
-class Progress:
-    """A background thread printing one status line per interval to `stream`."""
-
-    def __init__(self, stream: TextIO, interval: float, enabled: bool = True) -> None:
-        self.stream = stream
-        self.interval = interval
-        self.enabled = enabled
-        self.tty = bool(getattr(stream, "isatty", lambda: False)())
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._line = lambda: ""
-        self._width = 0
-
-    def start(self, line: Any) -> None:
-        if not self.enabled:
-            return
-        self._line = line
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="kvobs-demo-progress", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            self._emit()
-
-    def _emit(self) -> None:
-        try:
-            text = self._line()
-            if self.tty:
-                pad = max(0, self._width - len(text))
-                self._width = len(text)
-                self.stream.write("\r" + text + " " * pad)
-            else:
-                self.stream.write(text + "\n")
-            self.stream.flush()
-        except Exception:  # noqa: BLE001 - progress must never break the run
-            pass
-
-    def stop(self) -> None:
-        if self._thread is None:
-            return
-        self._stop.set()
-        self._thread.join()
-        self._thread = None
-        if self.tty:  # leave the final state on the rewritten line
-            self._emit()
-            self.stream.write("\n")
-            self.stream.flush()
-        self._width = 0
-
-
-def status_line(engine: SimEngine, duration_s: float | None) -> str:
-    s = engine.stats
-    clock = f"{engine.elapsed:5.1f}" + (f"/{duration_s:g} s" if duration_s else " s")
-    return (
-        f"[{s.mode}] {clock}  requests done {s.requests_completed}  hung {s.hung_sends}  "
-        f"transfers {s.transfers_done}  NaN stored {s.nan_blocks_written_to_storage}  "
-        f"NaN served {s.nan_blocks_served_to_prefix_hits}  layer0 lost {s.lost_layer0_signals}  "
-        f"signals pending {engine.pending_signals()}"
-    )
-
-
-def otlp_endpoint(explicit: str | None) -> str | None:
-    """--otlp-endpoint, else the standard OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT unless OTEL_TRACES_EXPORTER=none."""
-    if explicit:
-        return explicit
-    if os.environ.get("OTEL_TRACES_EXPORTER", "").strip().lower() == "none":
-        return None
-    return os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-
-
-def make_tracer_provider(endpoint: str | None) -> Any:
-    """An SDK provider exporting to `endpoint` (None: no tracing). The exporter is kept for a bounded shutdown."""
-    if not endpoint:
-        return None
-    from kvobs.telemetry.tracing import otlp_exporter
-
-    service = os.environ.get("OTEL_SERVICE_NAME") or "kvobs-demo"
-    exporter = otlp_exporter(endpoint=endpoint)
-    provider = kvobs.configure_tracing(service, exporter=exporter, set_global=False)
-    provider._kvobs_demo_exporter = exporter
-    return provider
-
-
-def _shutdown_tracing(provider: Any, flush_s: float = 2.0) -> None:
-    """Flush for at most `flush_s`, then stop. The SDK's BatchSpanProcessor ignores force_flush's timeout, and
-    with the collector down its export retries for up to the exporter's timeout (10 s): flush on a helper
-    thread, and shut the exporter down first, which ends any retry in progress."""
-    if provider is None:
-        return
-    try:
-        flusher = threading.Thread(target=provider.force_flush, name="kvobs-demo-flush", daemon=True)
-        flusher.start()
-        flusher.join(flush_s)
-        exporter = getattr(provider, "_kvobs_demo_exporter", None)
-        if exporter is not None:
-            exporter.shutdown()
-        provider.shutdown()
-    except Exception:  # noqa: BLE001 - an unreachable collector must not fail the demo
-        pass
 
 
 def start_server(port: int, addr: str, registry: Any) -> Any:
@@ -165,107 +65,103 @@ def stop_server(server: Any) -> None:
 
 
 def run_demo(opts: DemoOptions, *, stderr: TextIO | None = None) -> dict[str, Any]:
-    """Run the seeded workload unguarded, then guarded; the `--json` summary document."""
+    """Run the seeded workload once per configuration in `opts.runs`; the `--json` summary document."""
     stderr = stderr if stderr is not None else sys.stderr
+    if opts.duration_s is None:
+        raise ValueError("the demo's runs need a duration")
     active = _ActiveRun()
-    server = None
-    if opts.metrics_port:
-        try:
-            server = start_server(opts.metrics_port, opts.metrics_addr, active)
-            if not opts.quiet:
-                print(f"metrics: http://{opts.metrics_addr}:{opts.metrics_port}/metrics", file=stderr)
-        except OSError as exc:
-            print(f"warning: cannot serve metrics on {opts.metrics_addr}:{opts.metrics_port}: {exc}", file=stderr)
-    endpoint = otlp_endpoint(opts.otlp_endpoint)
-    provider = make_tracer_provider(endpoint)
-    if provider is not None and not opts.quiet:
-        print(f"traces: OTLP to {endpoint}", file=stderr)
+    server = _serve_or_warn(opts, active, stderr)
+    tracing = DemoTracing.start(otlp_endpoint(opts.otlp_endpoint))
+    _say(opts, stderr, tracing.describe())
     progress = Progress(stderr, 1.0, enabled=not opts.quiet)
     runs: dict[str, dict[str, Any]] = {}
     try:
-        for mode in opts.modes:
-            config = replace(opts.config, guarded=(mode == "guarded"), seed=opts.seed, faults=opts.faults, engine="")
-            engine = SimEngine(config, tracer_provider=provider)
+        for run in opts.runs:
+            engine = SimEngine(_config(opts, run), tracer_provider=tracing.provider)
             active.registry = engine.registry
-            engine.start()
-            progress.start(lambda e=engine: status_line(e, opts.duration_s))
-            try:
-                end = time.monotonic() + opts.duration_s
-                while engine.running and time.monotonic() < end:
-                    time.sleep(min(0.05, max(0.0, end - time.monotonic())))
-            finally:
-                engine.stop()
-                progress.stop()
-            if engine.thread_error is not None:
-                raise RuntimeError(f"the {mode} simulation failed") from engine.thread_error
-            runs[mode] = run_summary(engine)
+            _run_for(engine, opts.duration_s, progress, threading.Event())
+            runs[run.name] = run_summary(engine)
     finally:
         stop_server(server)
-        _shutdown_tracing(provider)
+        tracing.shutdown()
     return summary_dict(seed=opts.seed, duration_s=opts.duration_s, faults=opts.faults, runs=runs)
 
 
 def serve(opts: DemoOptions, *, stderr: TextIO | None = None, stop: threading.Event | None = None) -> int:
-    """Keep the guarded engine running with a steady workload until SIGINT/SIGTERM (or `stop` is set)."""
+    """Keep the guarded engine running with a steady workload until SIGINT/SIGTERM, `stop`, or
+    `opts.duration_s` seconds; the exit status."""
     stderr = stderr if stderr is not None else sys.stderr
     stop = stop if stop is not None else threading.Event()
-    restore = _install_stop_handlers(stop)
-    config = replace(
-        opts.config, guarded=True, seed=opts.seed, faults=opts.faults, engine="",
-        signal_ttl_s=max(opts.config.signal_ttl_s, SERVE_SIGNAL_TTL_S),
-    )
-    provider = make_tracer_provider(otlp_endpoint(opts.otlp_endpoint))
-    engine = SimEngine(config, tracer_provider=provider)
-    server = None
-    if opts.metrics_port:
-        try:
-            server = start_server(opts.metrics_port, opts.metrics_addr, engine.registry)
-        except OSError as exc:
-            _shutdown_tracing(provider)
-            restore()
-            print(f"error: cannot serve metrics on {opts.metrics_addr}:{opts.metrics_port}: {exc}", file=stderr)
-            return 2
+    config = replace(_config(opts, SERVED_RUN), signal_ttl_s=max(opts.config.signal_ttl_s, SERVE_SIGNAL_TTL_S))
+    tracing = DemoTracing.start(otlp_endpoint(opts.otlp_endpoint))
+    engine = SimEngine(config, tracer_provider=tracing.provider)
     try:
-        engine.start()
-        if not opts.quiet:
-            where = f"http://{opts.metrics_addr}:{opts.metrics_port}/metrics" if opts.metrics_port else "not served"
-            faults = ", ".join(sorted(opts.faults)) or "none"
-            print(f"serving the guarded engine {config.engine!r}: metrics {where}; faults: {faults}; "
-                  "Ctrl-C to stop", file=stderr, flush=True)
-        progress = Progress(stderr, SERVE_PROGRESS_INTERVAL_S, enabled=not opts.quiet)
-        progress.start(lambda: status_line(engine, None))
-        try:
-            while not stop.wait(0.2) and engine.running:
-                pass
-        finally:
-            progress.stop()
-    finally:
-        engine.stop()
-        stop_server(server)
-        _shutdown_tracing(provider)
-        restore()
-    if engine.thread_error is not None:
-        print(f"error: the simulation failed: {engine.thread_error!r}", file=stderr)
+        server = start_server(opts.metrics_port, opts.metrics_addr, engine.registry) if opts.metrics_port else None
+    except OSError as exc:
+        tracing.shutdown()
+        print(f"error: cannot serve metrics on {opts.metrics_addr}:{opts.metrics_port}: {exc}", file=stderr)
+        return 2
+    restore = install_stop_handlers(stop)
+    try:
+        _say(opts, stderr, _serving_banner(opts, config, tracing))
+        _run_for(engine, opts.duration_s, Progress(stderr, SERVE_PROGRESS_INTERVAL_S, enabled=not opts.quiet), stop)
+    except SimulationFailed as exc:
+        print(f"error: {exc}", file=stderr)
         return 1
-    if not opts.quiet:
-        print(f"stopped after {engine.stats.elapsed_s:.1f} s: {status_line(engine, None)}", file=stderr)
+    finally:
+        stop_server(server)
+        tracing.shutdown()
+        restore()
+    _say(opts, stderr, f"stopped after {engine.stats.elapsed_s:.1f} s: {status_line(engine, None)}")
     return 0
 
 
-def _install_stop_handlers(stop: threading.Event) -> Any:
-    """SIGINT and SIGTERM set `stop` (main thread only); returns a function restoring the old handlers."""
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None
-    previous = {}
+def _config(opts: DemoOptions, run: RunSpec) -> SimConfig:
+    return replace(opts.config, run=run, seed=opts.seed, faults=opts.faults, engine="")
 
-    def handler(signum: int, frame: Any) -> None:
-        stop.set()
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        previous[sig] = signal.signal(sig, handler)
+def _run_for(engine: SimEngine, duration_s: float | None, progress: Progress, stop: threading.Event) -> None:
+    """Run `engine` until `duration_s` passes (None: no limit) or `stop` is set; raise if a thread crashed."""
+    engine.start()
+    progress.start(lambda: status_line(engine, duration_s))
+    end = time.monotonic() + duration_s if duration_s is not None else None
+    try:
+        while engine.running and not stop.is_set():
+            left = end - time.monotonic() if end is not None else POLL_S
+            if left <= 0:
+                break
+            stop.wait(min(POLL_S, left))
+    finally:
+        engine.stop()
+        progress.stop()
+    engine.raise_if_failed()
 
-    def restore() -> None:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
 
-    return restore
+def _serve_or_warn(opts: DemoOptions, active: _ActiveRun, stderr: TextIO) -> Any:
+    """The comparison's metrics endpoint; a busy port only costs the endpoint, never the demo."""
+    if not opts.metrics_port:
+        return None
+    try:
+        server = start_server(opts.metrics_port, opts.metrics_addr, active)
+    except OSError as exc:
+        print(f"warning: cannot serve metrics on {opts.metrics_addr}:{opts.metrics_port}: {exc}", file=stderr)
+        return None
+    _say(opts, stderr, f"metrics: {_metrics_url(opts)}")
+    return server
+
+
+def _serving_banner(opts: DemoOptions, config: SimConfig, tracing: DemoTracing) -> str:
+    where = _metrics_url(opts) if opts.metrics_port else "not served"
+    faults = ", ".join(sorted(opts.faults)) or "none"
+    until = f"for {opts.duration_s:g} s" if opts.duration_s is not None else "until Ctrl-C"
+    return (f"serving the guarded engine {config.engine!r} {until}: metrics {where}; "
+            f"{tracing.describe()}; faults: {faults}")
+
+
+def _metrics_url(opts: DemoOptions) -> str:
+    return f"http://{opts.metrics_addr}:{opts.metrics_port}/metrics"
+
+
+def _say(opts: DemoOptions, stderr: TextIO, line: str) -> None:
+    if not opts.quiet:
+        print(line, file=stderr, flush=True)

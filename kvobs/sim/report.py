@@ -14,8 +14,9 @@ from prometheus_client import CollectorRegistry
 
 from kvobs import __version__
 from kvobs import semconv as sc
+from kvobs.sim.runs import RUNS, RunSpec
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: lock waits are null where nothing was measured (1 reported interpolated noise)
 
 # The fields every run carries, in table order: (key, table label, type).
 RUN_FIELDS: tuple[tuple[str, str, type], ...] = (
@@ -33,6 +34,7 @@ RUN_FIELDS: tuple[tuple[str, str, type], ...] = (
 EXTRA_FIELDS: tuple[tuple[str, type], ...] = (
     ("mode", str),
     ("engine", str),
+    ("guarded", bool),
     ("elapsed_s", float),
     ("stale_blocks_written_to_storage", int),
     ("requests_admitted", int),
@@ -59,17 +61,26 @@ EXTRA_FIELDS: tuple[tuple[str, type], ...] = (
     ("forward_lock_wait_p99_s", float),
 )
 
+# Fields that are null (None; "-" in the table) where the run measured nothing: no lock taken, or no wait seen.
+NULLABLE_FIELDS = frozenset({
+    "lock_wait_p50_s", "lock_wait_p99_s", "forward_lock_wait_p50_s", "forward_lock_wait_p99_s",
+})
+
+INCIDENT_FIELDS = (
+    "nan_blocks_written_to_storage", "nan_blocks_served_to_prefix_hits", "lost_layer0_signals", "hung_sends",
+)
+
 LOCK_WAIT_SOURCE = (
     "kvobs_lock_wait_seconds histogram of the run's own registry, all transfer paths together, "
     "interpolated within buckets like PromQL histogram_quantile"
 )
 
 
-def histogram_quantile(q: float, buckets: Iterable[tuple[float, float]]) -> float:
-    """PromQL's histogram_quantile over cumulative (upper bound, count) pairs; 0.0 for an empty histogram."""
+def histogram_quantile(q: float, buckets: Iterable[tuple[float, float]]) -> float | None:
+    """PromQL's histogram_quantile over cumulative (upper bound, count) pairs; None for an empty histogram."""
     pairs = sorted(buckets)
     if not pairs or pairs[-1][1] <= 0:
-        return 0.0
+        return None
     total = pairs[-1][1]
     rank = q * total
     lower, below = 0.0, 0.0
@@ -111,31 +122,31 @@ def nan_checks(registry: CollectorRegistry, engine: str, result: str = sc.CHECK_
     return int(total)
 
 
-def percentile(values: Iterable[float], q: float) -> float:
-    """Nearest-rank percentile; 0.0 when empty."""
+def percentile(values: Iterable[float], q: float) -> float | None:
+    """Nearest-rank percentile; None when empty."""
     data = sorted(values)
     if not data:
-        return 0.0
+        return None
     k = max(0, min(len(data) - 1, math.ceil(q * len(data)) - 1))
     return float(data[k])
 
 
 def run_summary(engine: Any) -> dict[str, Any]:
     """The summary dict of one finished SimEngine run (see RUN_FIELDS and EXTRA_FIELDS)."""
-    stats = engine.stats
+    stats, run, name = engine.stats, engine.config.run, engine.config.engine
     counters = stats.counters()
-    buckets = lock_wait_buckets(engine.registry, engine.config.engine)
-    elapsed = max(stats.elapsed_s, 1e-9)
-    waits = list(stats.forward_lock_waits)
+    buckets = lock_wait_buckets(engine.registry, name) if run.takes_lock else []
+    waits = list(stats.forward_lock_waits) if run.takes_lock else []
     out: dict[str, Any] = {
-        "mode": stats.mode,
-        "engine": engine.config.engine,
+        "mode": run.name,
+        "engine": name,
+        "guarded": run.guarded,
         "elapsed_s": round(stats.elapsed_s, 3),
         "lock_wait_p50_s": histogram_quantile(0.5, buckets),
         "lock_wait_p99_s": histogram_quantile(0.99, buckets),
-        "throughput_per_s": round(stats.requests_completed / elapsed, 3),
+        "throughput_per_s": round(counters["requests_completed"] / max(stats.elapsed_s, 1e-9), 3),
         "pending_signals": engine.pending_signals(),
-        "nan_checks_nan": nan_checks(engine.registry, engine.config.engine),
+        "nan_checks_nan": nan_checks(engine.registry, name),
         "forward_lock_wait_p50_s": percentile(waits, 0.5),
         "forward_lock_wait_p99_s": percentile(waits, 0.99),
     }
@@ -146,24 +157,16 @@ def run_summary(engine: Any) -> dict[str, Any]:
 
 
 def incidents(runs: Mapping[str, Mapping[str, Any]]) -> dict[str, bool]:
-    """Did the unguarded run show both incidents, and was the guarded run free of both?"""
-    def nan(run: Mapping[str, Any]) -> bool:
-        return run["nan_blocks_written_to_storage"] > 0 and run["nan_blocks_served_to_prefix_hits"] > 0
-
-    def hang(run: Mapping[str, Any]) -> bool:
-        return run["lost_layer0_signals"] > 0 and run["hung_sends"] > 0
-
+    """Per unguarded run: did it show both incidents (`<name>_nan_incident`, `<name>_hang_incident`)? Per
+    guarded run: was it free of both (`<name>_clean`)?"""
     out = {}
-    if "unguarded" in runs:
-        u = runs["unguarded"]
-        out["unguarded_nan_incident"] = nan(u)
-        out["unguarded_hang_incident"] = hang(u)
-    if "guarded" in runs:
-        g = runs["guarded"]
-        out["guarded_clean"] = not any(
-            g[k] for k in ("nan_blocks_written_to_storage", "nan_blocks_served_to_prefix_hits",
-                           "lost_layer0_signals", "hung_sends")
-        )
+    for name, run in runs.items():
+        if run["guarded"]:
+            out[f"{name}_clean"] = not any(run[k] for k in INCIDENT_FIELDS)
+        else:
+            out[f"{name}_nan_incident"] = (
+                run["nan_blocks_written_to_storage"] > 0 and run["nan_blocks_served_to_prefix_hits"] > 0)
+            out[f"{name}_hang_incident"] = run["lost_layer0_signals"] > 0 and run["hung_sends"] > 0
     return out
 
 
@@ -183,7 +186,9 @@ def summary_dict(
     }
 
 
-def _fmt(value: Any, typ: type, key: str) -> str:
+def _cell(value: Any, typ: type, key: str) -> str:
+    if value is None:
+        return "-"  # nothing measured
     if key.endswith("_s") and not key.endswith("_per_s"):
         return _duration(value)
     if typ is float:
@@ -191,7 +196,9 @@ def _fmt(value: Any, typ: type, key: str) -> str:
     return f"{value:,}"
 
 
-def _duration(seconds: float) -> str:
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
     if seconds == 0:
         return "0"
     if seconds < 1e-3:
@@ -201,43 +208,43 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.2f} s"
 
 
-def format_table(summary: Mapping[str, Any]) -> str:
-    """The side-by-side table the demo prints."""
+def format_table(summary: Mapping[str, Any], specs: Iterable[RunSpec] = RUNS) -> str:
+    """The side-by-side table the demo prints: a column per run, in the summary's order; `specs` give the
+    legend of each run they name."""
     runs = summary["runs"]
-    names = [n for n in ("unguarded", "guarded") if n in runs]
-    label_w = max(len(label) for _, label, _ in RUN_FIELDS) + 2
-    col_w = 14
+    legends = {spec.name: spec.legend for spec in specs}
     faults = ", ".join(summary["faults"]) or "none"
-    lines = [
-        f"kvobs demo  seed={summary['seed']}  {summary['duration_s']:g} s per run  faults: {faults}",
-        "  unguarded: kvobs observes only (no lock, no signal buffer, NaN checks only count)",
-        "  guarded:   cache lock around transfers and forward steps, early-signal buffer, NaN checks enforced",
-        "",
-        " " * label_w + "".join(f"{n:>{col_w}}" for n in names),
-    ]
+    name_w = max((len(name) for name in runs), default=0) + 1
+    lines = [f"kvobs demo  seed={summary['seed']}  {summary['duration_s']:g} s per run  faults: {faults}"]
+    lines += [f"  {name + ':':<{name_w}} {legends[name]}" for name in runs if name in legends]
+    label_w = max(len(label) for _, label, _ in RUN_FIELDS) + 2
+    col_w = max(14, name_w + 2)
+    lines += ["", " " * label_w + "".join(f"{name:>{col_w}}" for name in runs)]
     for key, label, typ in RUN_FIELDS:
-        cells = "".join(f"{_fmt(runs[n][key], typ, key):>{col_w}}" for n in names)
+        cells = "".join(f"{_cell(run[key], typ, key):>{col_w}}" for run in runs.values())
         lines.append(f"{label:<{label_w}}{cells}")
     lines.append("")
-    if "guarded" in runs:
-        g = runs["guarded"]
-        lines.append(
-            f"guarded: {g['write_back_rejected']} write-backs and {g['send_rejected']} sends refused by the NaN "
-            f"check, {g['prefetch_corrupt']} prefetches refused (recomputed), {g['signals_recovered']} early "
-            f"layer0 signals recovered; forward-pass lock wait p99 {_duration(g['forward_lock_wait_p99_s'])}"
-        )
-    if summary["faults"] and "guarded" in runs:
-        g = runs["guarded"]
-        lines.append(
-            f"faults (guarded run): {g['poisoned_storage_entries']} storage entries poisoned, "
-            f"{g['stale_signals_injected']} stale layer0 signal injected, {g['pending_signals']} signal(s) "
-            f"still pending at the end, {g['nan_checks_nan']} NaN check findings"
-        )
-    verdict = summary["incidents"]
-    if "unguarded_nan_incident" in verdict:
-        seen = [name for name, key in (("NaN served from storage", "unguarded_nan_incident"),
-                                       ("hung sends", "unguarded_hang_incident")) if verdict[key]]
-        lines.append(f"unguarded reproduced: {', '.join(seen) or 'nothing'}")
-    if "guarded_clean" in verdict:
-        lines.append("guarded: " + ("no incident" if verdict["guarded_clean"] else "INCIDENTS SEEN (see above)"))
+    for name, run in runs.items():
+        lines += _run_notes(name, run, bool(summary["faults"]), summary["incidents"])
     return "\n".join(lines)
+
+
+def _run_notes(name: str, run: Mapping[str, Any], faults: bool, verdict: Mapping[str, bool]) -> list[str]:
+    """What a guarded run's protections did, or which incidents an unguarded run reproduced."""
+    if not run["guarded"]:
+        seen = [what for what, key in (("NaN served from storage", f"{name}_nan_incident"),
+                                       ("hung sends", f"{name}_hang_incident")) if verdict.get(key)]
+        return [f"{name} reproduced: {', '.join(seen) or 'nothing'}"]
+    lines = [
+        f"{name}: {run['write_back_rejected']} write-backs and {run['send_rejected']} sends refused by the NaN "
+        f"check, {run['prefetch_corrupt']} prefetches refused (recomputed), {run['signals_recovered']} early "
+        f"layer0 signals recovered; forward-pass lock wait p99 {_duration(run['forward_lock_wait_p99_s'])}"
+    ]
+    if faults:
+        lines.append(
+            f"faults ({name} run): {run['poisoned_storage_entries']} storage entries poisoned, "
+            f"{run['stale_signals_injected']} stale layer0 signal injected, {run['pending_signals']} signal(s) "
+            f"still pending at the end, {run['nan_checks_nan']} NaN check findings"
+        )
+    lines.append(f"{name}: " + ("no incident" if verdict.get(f"{name}_clean") else "INCIDENTS SEEN (see above)"))
+    return lines

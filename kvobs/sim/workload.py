@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvobs.sim.config import SimConfig
 
 
 @dataclass
@@ -43,29 +46,28 @@ class Request:
         return self.num_blocks * self.block_size
 
 
+@dataclass
 class Workload:
     """An endless, seeded stream of requests."""
 
-    def __init__(
-        self,
-        seed: int,
-        *,
-        families: int = 12,
-        family_blocks: int = 8,
-        max_suffix_blocks: int = 3,
-        block_size: int = 16,
-        early_fraction: float = 0.5,
-        register_delay_s: tuple[float, float] = (0.005, 0.04),
-    ) -> None:
-        self.rng = random.Random(seed)
-        self.families = families
-        self.family_blocks = family_blocks
-        self.max_suffix_blocks = max_suffix_blocks
-        self.block_size = block_size
-        self.early_fraction = early_fraction
-        self.register_delay_s = register_delay_s
-        self._weights = [1.0 / (i + 1) for i in range(families)]
-        self._next_id = 0
+    seed: int
+    families: int
+    family_blocks: int
+    max_suffix_blocks: int
+    block_size: int
+    early_fraction: float  # the share of requests whose task registers late
+    register_delay_s: tuple[float, float]
+    _next_id: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        self.rng = random.Random(self.seed)
+        self._weights = [1.0 / (i + 1) for i in range(self.families)]
+
+    @classmethod
+    def of(cls, config: SimConfig) -> Workload:
+        """The workload a run's configuration describes."""
+        return cls(config.seed, config.families, config.family_blocks, config.max_suffix_blocks,
+                   config.block_size, config.early_fraction, config.register_delay_s)
 
     @staticmethod
     def family_key(family: int, block: int) -> str:

@@ -1,0 +1,78 @@
+"""The write-back thread: stores a finished request's new blocks in the storage cache, block by block.
+
+Each block is read when its turn comes, with a short sleep per block. If the blocks were freed when the
+request finished (`free_after_write_back=False`), they may already belong to a new request: its allocation
+filled them with NaN (NaN is stored under the old request's keys, and later prefix hits prefetch it) or its
+forward pass wrote its own KV (finite, but another request's: a stale block). With the engine-side fix the
+blocks go back to the allocator only once their write-back has completed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvobs.sim.allocator import BlockAllocator
+from kvobs.sim.cache import key_values
+from kvobs.sim.guarded import STORAGE_TASK_SPECS, TransferWorker
+from kvobs.sim.messages import WriteBackTask
+from kvobs.sim.storage import StorageCache
+from kvobs.sim.workload import Request
+
+
+@dataclass(eq=False, kw_only=True)
+class WriteBack(TransferWorker[WriteBackTask]):
+    """GPU blocks -> storage, through `issue_write_back_storage_task` guarded by `obs.write_back(...)`."""
+
+    storage: StorageCache
+    allocator: BlockAllocator
+    block_s: float  # storage write per block
+    max_backlog: int  # a busy engine skips write-backs beyond this backlog
+    free_after_write_back: bool
+
+    def __post_init__(self) -> None:
+        self.issue_write_back_storage_task = self.guarded(
+            self.observer.write_back(**STORAGE_TASK_SPECS), type(self)._copy_out)
+
+    def retire(self, req: Request) -> None:
+        """A request finished: issue the write-back of the blocks storage lacks, and free the request's blocks
+        (at once, or after the write-back)."""
+        missing = self.storage.missing(req.keys)
+        task = None
+        if missing and self.backlog >= self.max_backlog:
+            self.stats.add(write_back_skipped_busy=1)
+        elif missing:
+            task = WriteBackTask(req.task_id, [req.keys[i] for i in missing],
+                                 [req.gpu_block_ids[i] for i in missing], req.gpu_block_ids)
+            self.put(task)
+        if task is None or not self.free_after_write_back:
+            self.allocator.free(req.gpu_block_ids)
+
+    def _copy_out(self, task: WriteBackTask, is_sync: bool = True) -> int:
+        """One block at a time; counts what reached storage that does not belong under its key."""
+        for key, block_id in zip(task.keys, task.gpu_block_ids):
+            time.sleep(self.block_s)
+            block = self.gpu_cache[block_id].clone()
+            self.storage.put(key, block)
+            if not bool(block.isfinite().all()):
+                self.stats.add(nan_blocks_written_to_storage=1)
+            elif not torch.equal(block, key_values(key, block.shape, block.dtype)):
+                # Finite, but another request's KV: the block was reused before its write-back ran.
+                self.stats.add(stale_blocks_written_to_storage=1)
+        return len(task.gpu_block_ids)
+
+    def handle(self, task: WriteBackTask) -> None:
+        try:
+            result = self.issue_write_back_storage_task(task, is_sync=True)
+        except Exception:  # noqa: BLE001 - lock timeout, rejection: nothing stored, the engine goes on
+            self.stats.add(transfer_errors=1)
+        else:
+            if result is None:  # skip policy: the NaN check refused it, nothing was stored
+                self.stats.add(write_back_rejected=1)
+            else:
+                self.stats.add(write_back_done=1)
+        finally:
+            if self.free_after_write_back:
+                self.allocator.free(task.owned_block_ids)
