@@ -109,6 +109,7 @@ def unpacked(wheel_path: pathlib.Path, data_prefixes: tuple[str, ...] = ()) -> p
                        if m.endswith(".py") or (m.startswith(data_prefixes) and ".so" not in m)]
             archive.extractall(tmp, members)
         (pathlib.Path(tmp) / ".complete").write_text(wheel_path.name)
+        os.chmod(tmp, 0o755)  # TemporaryDirectory makes it private; the cache may be shared
         try:
             os.replace(tmp, target)
         except OSError:
