@@ -30,7 +30,6 @@ import importlib.machinery
 import importlib.util
 import os
 import pathlib
-import shutil
 import subprocess
 import sys
 import tempfile
