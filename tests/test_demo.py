@@ -39,21 +39,12 @@ def test_unguarded_shows_both_incidents_and_guarded_none(seed):
     assert guarded["signals_recovered"] >= 1
     assert guarded["lock_wait_p99_s"] > 0 and guarded["forward_lock_wait_p99_s"] > 0
     assert guarded["transfers_done"] > 0 and guarded["throughput_per_s"] > 0
-    # The engine-side fix: blocks are freed only once their write-back completed, so none is stored stale.
-    assert unguarded["stale_blocks_written_to_storage"] == guarded["stale_blocks_written_to_storage"] == 0
+    # Blocks freed before their write-back ran are stored stale unguarded; the guarded engine frees them after.
+    assert unguarded["stale_blocks_written_to_storage"] >= 1
+    assert guarded["stale_blocks_written_to_storage"] == 0
     # A run that takes no lock measured no lock wait: null, never interpolated noise.
     for field in ("lock_wait_p50_s", "lock_wait_p99_s", "forward_lock_wait_p50_s", "forward_lock_wait_p99_s"):
         assert unguarded[field] is None, field
-
-
-def test_blocks_freed_before_their_write_back_are_stored_stale():
-    """Without the engine-side fix a write-back reads blocks a new request already owns."""
-    engine = SimEngine(SimConfig(run=UNGUARDED, seed=0, free_after_write_back=False))
-    engine.start()
-    time.sleep(1.5)
-    stats = engine.stop()
-    engine.raise_if_failed()
-    assert stats.counters()["stale_blocks_written_to_storage"] >= 1
 
 
 def test_faults_are_seen_and_the_guarded_engine_keeps_running():

@@ -41,9 +41,6 @@ class SimConfig:
     layer_gap_s: float = 0.0005  # model runner: time between layer signals
     send_deadline_s: float = 0.25  # a registered task whose send has not started by then is hung
     write_back_queue_max: int = 32  # a busy engine skips write-backs beyond this backlog
-    # the engine-side fix for stale write-backs: a finished request's blocks go back to the allocator only
-    # once their write-back has completed (False: at once, while the write-back may still be queued)
-    free_after_write_back: bool = True
     # kvobs
     lock_timeout_s: float = 5.0
     signal_ttl_s: float = 30.0

@@ -9,7 +9,8 @@ engine's processes share GPU memory. Each thread is its own component:
   and its send worker;
 - faults.py: injected faults.
 
-The same code runs in every run of the demo; only the KVObserver's configuration (runs.py) differs.
+The same code runs in every run of the demo; a run (runs.py) decides the KVObserver's configuration and whether
+the engine frees a finished request's blocks only once their write-back completed.
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ class SimEngine:
         self.prefetcher = Prefetcher(**guarded, storage=storage, block_s=c.prefetch_block_s)
         self.write_back = WriteBack(**guarded, storage=storage, allocator=allocator, block_s=c.write_back_block_s,
                                     max_backlog=c.write_back_queue_max,
-                                    free_after_write_back=c.free_after_write_back)
+                                    free_after_write_back=c.run.free_after_write_back)
         self.messager = CacheMessager(stop=stop, signals=self.signals, stats=stats, start_send=self._start_send,
                                       ended=ended.put, send_deadline_s=c.send_deadline_s)
         self.send_worker = SendWorker(**guarded, progress=progress, ended=self.messager.put,

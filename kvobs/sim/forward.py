@@ -53,8 +53,8 @@ class ForwardPass:
     _next_request: Request | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
-        # its wait shows as kvobs_lock_wait_seconds{path="forward"}
-        self.execute_model = self.observer.locked("forward")
+        # like the GPU worker's `execute_model`; its wait shows as kvobs_lock_wait_seconds{path="forward"}
+        self.execute_model = self.observer.locked("forward")(self._execute_model)
         self.free_slots = list(range(self.config.num_slots - 1, -1, -1))
 
     def run(self) -> None:
@@ -71,17 +71,20 @@ class ForwardPass:
 
     def _step(self) -> list[PrefetchTask] | None:
         """One forward step under the cache lock: the prefetches it issued, or None if the lock timed out."""
-        t0 = time.perf_counter()
         try:
-            with self.execute_model:
-                self.stats.forward_lock_waits.append(time.perf_counter() - t0)
-                issued = self._admit()
-                self._compute()
-                time.sleep(self.config.step_s)  # the rest of the step's GPU time, lock held
+            issued = self.execute_model(time.perf_counter())
         except kvobs.LockTimeout:
             self.stats.add(lock_timeouts=1)
             return None
         self.stats.add(forward_steps=1)
+        return issued
+
+    def _execute_model(self, called_at: float) -> list[PrefetchTask]:
+        """The step's work, lock held: admissions, one chunk per prefill, the rest of the step's GPU time."""
+        self.stats.forward_lock_waits.append(time.perf_counter() - called_at)
+        issued = self._admit()
+        self._compute()
+        time.sleep(self.config.step_s)
         return issued
 
     def _admit(self) -> list[PrefetchTask]:

@@ -1,10 +1,11 @@
 """The write-back thread: stores a finished request's new blocks in the storage cache, block by block.
 
 Each block is read when its turn comes, with a short sleep per block. If the blocks were freed when the
-request finished (`free_after_write_back=False`), they may already belong to a new request: its allocation
-filled them with NaN (NaN is stored under the old request's keys, and later prefix hits prefetch it) or its
-forward pass wrote its own KV (finite, but another request's: a stale block). With the engine-side fix the
-blocks go back to the allocator only once their write-back has completed.
+request finished (`free_after_write_back=False`, the unguarded run), they may already belong to a new request:
+its allocation filled them with NaN (NaN is stored under the old request's keys, and later prefix hits
+prefetch it) or its forward pass wrote its own KV (finite, but another request's: a stale block, which no NaN
+check can see). With the engine-side fix the blocks go back to the allocator only once their write-back
+completed.
 """
 
 from __future__ import annotations
