@@ -123,6 +123,7 @@ def _demo(args: argparse.Namespace) -> int:
     if problems:
         args.parser.error("; ".join(problems))
     from kvobs.sim.demo import DemoOptions, run_demo, serve
+    from kvobs.sim.engine import SimulationFailed
     from kvobs.sim.report import format_table
 
     opts = DemoOptions(
@@ -132,7 +133,11 @@ def _demo(args: argparse.Namespace) -> int:
     )
     if args.serve:
         return serve(opts)
-    summary = run_demo(opts)
+    try:
+        summary = run_demo(opts)
+    except SimulationFailed as exc:  # the thread's traceback is on stderr already
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     print(json.dumps(summary, indent=2) if args.json else format_table(summary))
     sys.stdout.flush()
     return 0

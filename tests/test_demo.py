@@ -5,6 +5,7 @@ Runs are short (2 s at most) but the race windows are wide on purpose, so one or
 
 from __future__ import annotations
 
+import io
 import math
 import re
 import socket
@@ -17,7 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvobs import semconv as sc
 from kvobs.sim import GUARDED, UNGUARDED, SimConfig, SimEngine
-from kvobs.sim.demo import DemoOptions, run_demo
+from kvobs.sim.demo import DemoOptions, run_demo, serve
+from kvobs.sim.engine import SimulationFailed
 from kvobs.sim.report import INCIDENT_FIELDS, RUN_FIELDS, format_table, histogram_quantile, incidents
 
 
@@ -60,6 +62,16 @@ def test_faults_are_seen_and_the_guarded_engine_keeps_running():
         assert guarded[field] == 0, (field, guarded)
     assert guarded["requests_completed"] > 0
     assert summary["runs"]["unguarded"]["nan_blocks_served_to_prefix_hits"] >= 1
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_crashed_engine_thread_fails_the_run_loudly_never_a_silent_hang():
+    broken = SimConfig(family_blocks=0)  # the workload cannot draw a prefix: the forward thread raises
+    with pytest.raises(SimulationFailed, match="the unguarded simulation failed: ValueError"):
+        demo(0, duration=30.0, config=broken)
+    err = io.StringIO()
+    assert serve(DemoOptions(duration_s=30.0, metrics_port=0, quiet=True, config=broken), stderr=err) == 1
+    assert "error: the guarded simulation failed: ValueError" in err.getvalue()
 
 
 def test_each_run_has_its_own_registry_and_engine_label():

@@ -70,7 +70,8 @@ UNGUARDED = RunSpec(
     guarded=False, lock=LOCK_NONE, buffer_signals=False, integrity="count", free_after_write_back=False,
 )
 GUARDED = RunSpec(
-    "guarded", "cache lock around transfers and forward steps, early-signal buffer, NaN checks enforced",
+    "guarded", "cache lock around transfers and forward steps, early-signal buffer, NaN checks enforced, "
+    "blocks freed after their write-back",
     guarded=True, lock=LOCK_GLOBAL, buffer_signals=True,
     integrity={"prefetch": "raise", "write_back": "skip", "send": "skip"}, free_after_write_back=True,
 )
