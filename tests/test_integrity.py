@@ -1,7 +1,13 @@
-"""kvobs.integrity: NaN/Inf checks over selected KV blocks, policies and samplers."""
+"""kvobs.integrity: NaN/Inf checks over selected KV blocks, on both paths (compiled kernel and pure torch).
+
+Every correctness test runs once per method: "kernel" (forced onto the compiled kernel for every layout, and
+an error if it cannot be used) and "torch" (the pure-torch fallback). Both must agree with a naive
+per-block reference.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import random
 
@@ -11,7 +17,6 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvobs import integrity
 from kvobs.integrity import (
     POLICIES,
     CheckResult,
@@ -19,12 +24,42 @@ from kvobs.integrity import (
     IntegrityPolicy,
     check_blocks,
 )
+from kvobs.integrity import kernel, torch_path
 from kvobs.semconv import CHECK_CLEAN, CHECK_INF, CHECK_NAN
 
-DTYPES = [torch.float16, torch.bfloat16, torch.float32]
-BAD_VALUES = {"nan": float("nan"), "+inf": float("inf"), "-inf": float("-inf")}
+FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz, torch.float8_e8m0fnu]
+WITH_INF = set(FLOATS) | {torch.float8_e5m2}
+NAN, INF = float("nan"), float("inf")
 NUM_BLOCKS = 16
 BLOCK = (4, 2, 8)  # tokens, heads, head dim
+METHODS = ["kernel", "torch"]
+
+
+@contextlib.contextmanager
+def forced(method: str):
+    """The check runs on exactly this path: the kernel takes every layout (even tiny pieces), torch all."""
+    if method != "kernel":
+        yield method
+        return
+    pytest.importorskip("numba")
+    assert kernel.unavailable_reason() is None, kernel.unavailable_reason()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kernel, "MIN_PIECE_BYTES", 0)
+        yield method
+
+
+def check(cache, ids, method: str, **options) -> CheckResult:
+    with forced(method):
+        return check_blocks(cache, ids, method=method, **options)
+
+
+def bad_values(dtype) -> list[float]:
+    return [NAN, INF, -INF] if dtype in WITH_INF else [NAN]
+
+
+def ones(shape, dtype) -> torch.Tensor:
+    return torch.ones(shape).to(dtype)
 
 
 def raw(t: torch.Tensor) -> torch.Tensor:
@@ -35,8 +70,8 @@ def raw(t: torch.Tensor) -> torch.Tensor:
 def naive(tensors: list[torch.Tensor], ids, block_dim: int = 0) -> tuple[set[int], set[int]]:
     """Reference: per block, NaN anywhere -> nan; else any non-finite -> inf."""
     nan, inf = set(), set()
-    for b in set(ids):
-        blocks = [t.select(block_dim, b) for t in tensors]
+    for b in {int(i) for i in ids}:
+        blocks = [t.select(block_dim, b).float() if t.element_size() == 1 else t.select(block_dim, b) for t in tensors]
         if any(x.isnan().any() for x in blocks):
             nan.add(b)
         elif any(not torch.isfinite(x).all() for x in blocks):
@@ -51,216 +86,236 @@ def expect(result: CheckResult, nan=(), inf=(), checked=None) -> None:
         assert result.checked_blocks == checked
 
 
+def finding(value: float, block: int) -> tuple[set[int], set[int]]:
+    return ({block}, set()) if value != value else (set(), {block})
+
+
 # --- correctness --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kind", sorted(BAD_VALUES))
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("dtype", FLOATS + FP8)
 @pytest.mark.parametrize("where", ["first", "last", "middle"])
-def test_single_tensor_finds_bad_value(dtype, kind, where):
-    cache = torch.randn(NUM_BLOCKS, *BLOCK).to(dtype)
+def test_single_tensor_finds_bad_value(method, dtype, where):
     selected = [2, 3, 4, 9, 11]
-    size = cache[0].numel()
+    size = BLOCK[0] * BLOCK[1] * BLOCK[2]
     block, flat = {"first": (2, 0), "last": (11, size - 1), "middle": (9, size // 2 + 3)}[where]
-    cache[block].view(-1)[flat] = BAD_VALUES[kind]
-    before = raw(cache).clone()
-    result = check_blocks(cache, selected)
-    expected = ({block}, set()) if kind == "nan" else (set(), {block})
-    expect(result, *expected, checked=len(selected))
-    assert result.result == (CHECK_NAN if kind == "nan" else CHECK_INF)
-    assert not result.clean and result.bad_block_ids == (block,)
-    assert torch.equal(raw(cache), before)
+    for value in bad_values(dtype):
+        cache = ones((NUM_BLOCKS, *BLOCK), dtype)
+        cache[block].view(-1)[flat] = value
+        before = raw(cache).clone()
+        result = check(cache, selected, method)
+        expect(result, *finding(value, block), checked=len(selected))
+        assert result.result == (CHECK_NAN if value != value else CHECK_INF)
+        assert not result.clean and result.bad_block_ids == (block,)
+        assert torch.equal(raw(cache), before)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kind", sorted(BAD_VALUES))
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float8_e5m2])
 @pytest.mark.parametrize("where", ["first", "last", "middle"])
-def test_per_layer_key_value_pairs(dtype, kind, where):
-    layers = [(torch.randn(NUM_BLOCKS, *BLOCK).to(dtype), torch.randn(NUM_BLOCKS, *BLOCK).to(dtype)) for _ in range(3)]
-    selected = [0, 5, 6, 7, 15]
+def test_per_layer_key_value_pairs(method, dtype, where):
     layer, kv, block, flat = {
         "first": (0, 0, 0, 0),
-        "last": (2, 1, 15, layers[0][0][0].numel() - 1),
+        "last": (2, 1, 15, BLOCK[0] * BLOCK[1] * BLOCK[2] - 1),
         "middle": (1, 1, 6, 17),
     }[where]
-    layers[layer][kv][block].view(-1)[flat] = BAD_VALUES[kind]
-    result = check_blocks(layers, selected)
-    expect(result, *(({block}, set()) if kind == "nan" else (set(), {block})), checked=5)
+    for value in bad_values(dtype):
+        layers = [(ones((NUM_BLOCKS, *BLOCK), dtype), ones((NUM_BLOCKS, *BLOCK), dtype)) for _ in range(3)]
+        layers[layer][kv][block].view(-1)[flat] = value
+        expect(check(layers, [0, 5, 6, 7, 15], method), *finding(value, block), checked=5)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_blocks_outside_selection_never_reported(dtype):
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_blocks_outside_selection_never_reported(method, dtype):
     cache = torch.ones(NUM_BLOCKS, *BLOCK, dtype=dtype)
     for b in (0, 1, 7, 15):
-        cache[b, 1, 1, 1] = float("nan")
-    cache[8, 0, 0, 0] = float("-inf")
-    expect(check_blocks(cache, [2, 3, 4, 5, 6, 9, 10, 14]), checked=8)
-    expect(check_blocks(cache, [6, 7, 8, 9]), nan={7}, inf={8})
+        cache[b, 1, 1, 1] = NAN
+    cache[8, 0, 0, 0] = -INF
+    expect(check(cache, [2, 3, 4, 5, 6, 9, 10, 14], method), checked=8)
+    expect(check(cache, [6, 7, 8, 9], method), nan={7}, inf={8})
 
 
-def test_nan_wins_over_inf_in_one_block_and_across_tensors():
+@pytest.mark.parametrize("method", METHODS)
+def test_nan_wins_over_inf_in_one_block_and_across_tensors(method):
     k = torch.ones(NUM_BLOCKS, *BLOCK)
     v = torch.ones(NUM_BLOCKS, *BLOCK)
-    k[3, 0, 0, 0], k[3, 3, 1, 7] = float("inf"), float("nan")
-    k[5, 0, 0, 0], v[5, 0, 0, 0] = float("-inf"), float("nan")
-    k[6, 2, 0, 0], v[6, 1, 0, 0] = float("inf"), float("-inf")
-    result = check_blocks([(k, v)], range(NUM_BLOCKS))
+    k[3, 0, 0, 0], k[3, 3, 1, 7] = INF, NAN
+    k[5, 0, 0, 0], v[5, 0, 0, 0] = -INF, NAN
+    k[6, 2, 0, 0], v[6, 1, 0, 0] = INF, -INF
+    result = check([(k, v)], range(NUM_BLOCKS), method)
     expect(result, nan={3, 5}, inf={6})
     assert result.bad_block_ids == (3, 5, 6)
     assert result.result == CHECK_NAN
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_block_dim_one_layers_first_layout(dtype):
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_block_dim_one_layers_first_layout(method, dtype):
     cache = torch.zeros(3, NUM_BLOCKS, *BLOCK, dtype=dtype)  # [layers, blocks, ...]
-    cache[2, 10, -1, -1, -1] = float("nan")
-    cache[0, 4, 0, 0, 0] = float("inf")
+    cache[2, 10, -1, -1, -1] = NAN
+    cache[0, 4, 0, 0, 0] = INF
     before = raw(cache).clone()
-    expect(check_blocks(cache, [4, 10, 11], block_dim=1), nan={10}, inf={4})
-    expect(check_blocks(cache, [4, 10, 11], block_dim=-4), nan={10}, inf={4})
-    expect(check_blocks(cache, [5, 9, 11], block_dim=1))
+    expect(check(cache, [4, 10, 11], method, block_dim=1), nan={10}, inf={4})
+    expect(check(cache, [4, 10, 11], method, block_dim=-4), nan={10}, inf={4})
+    expect(check(cache, [5, 9, 11], method, block_dim=1))
     assert torch.equal(raw(cache), before)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_non_contiguous_views(dtype):
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_non_contiguous_views(method, dtype):
     base = torch.zeros(NUM_BLOCKS, 2 * BLOCK[0], BLOCK[2], BLOCK[1], dtype=dtype)
     view = base[:, ::2].transpose(2, 3)  # strided and transposed: [blocks, 4, 2, 8], not contiguous
     assert not view.is_contiguous()
-    base[7, 1, 0, 0] = float("nan")  # hidden by the stride: not part of the view
-    base[9, 6, 5, 1] = float("-inf")  # visible: view[9, 3, 1, 5]
-    expect(check_blocks(view, range(NUM_BLOCKS)), inf={9})
+    base[7, 1, 0, 0] = NAN  # hidden by the stride: not part of the view
+    base[9, 6, 5, 1] = -INF  # visible: view[9, 3, 1, 5]
+    expect(check(view, range(NUM_BLOCKS), method), inf={9})
     cache = torch.zeros(NUM_BLOCKS, *BLOCK, dtype=dtype)
-    cache[12, 3, 1, 7] = float("nan")
-    expect(check_blocks(cache.transpose(0, 1), [11, 12, 13], block_dim=1), nan={12})
+    cache[12, 3, 1, 7] = NAN
+    expect(check(cache.transpose(0, 1), [11, 12, 13], method, block_dim=1), nan={12})
+    expect(check(cache[:, :, :, 1:], [11, 12, 13], method), nan={12})  # pieces at an odd element offset
+    expect(check(cache[:, :, :, :7], [11, 12, 13], method))  # the NaN sits just past the view
 
 
-def test_large_runs_use_parallel_path_and_stay_exact():
-    cache = torch.ones(64, 64, 8, 128, dtype=torch.bfloat16)  # 8 MiB: one slab over all blocks
-    cache[63, -1, -1, -1] = float("inf")
-    cache[0, 0, 0, 0] = float("nan")
-    cache[31, 17, 3, 3] = float("-inf")
-    expect(check_blocks(cache, range(64)), nan={0}, inf={31, 63})
-    expect(check_blocks(cache, range(1, 63)), inf={31})  # below the parallel size: serial pieces
-    expect(check_blocks(cache, [31, 62, 63]), inf={31, 63})
+@pytest.mark.parametrize("method", METHODS)
+def test_expanded_and_offset_views(method):
+    block = torch.ones(1, *BLOCK)
+    block[0, 1, 1, 1] = INF
+    expanded = block.expand(NUM_BLOCKS, *BLOCK)  # block stride 0: every block is the same memory
+    expect(check(expanded, [0, 9], method), inf={0, 9})
+    storage = torch.ones(3 * NUM_BLOCKS, *BLOCK)
+    storage[NUM_BLOCKS + 4, 0, 0, 0] = NAN
+    expect(check(storage[NUM_BLOCKS : 2 * NUM_BLOCKS], [3, 4, 5], method), nan={4})
 
 
-def test_duplicates_and_id_types():
+@pytest.mark.parametrize("method", METHODS)
+def test_large_runs_stay_exact(method):
+    cache = torch.ones(64, 64, 8, 128, dtype=torch.bfloat16)  # 8 MiB
+    cache[63, -1, -1, -1] = INF
+    cache[0, 0, 0, 0] = NAN
+    cache[31, 17, 3, 3] = -INF
+    expect(check(cache, range(64), method), nan={0}, inf={31, 63})
+    expect(check(cache, range(1, 63), method), inf={31})
+    expect(check(cache, [31, 62, 63], method), inf={31, 63})
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_duplicates_and_id_types(method):
     cache = torch.ones(NUM_BLOCKS, *BLOCK)
-    cache[4, 0, 0, 0] = float("nan")
-    id_forms = ([4, 4, 1, 4], (1, 4), np.array([4, 1, 1]), torch.tensor([1, 4, 4], dtype=torch.int32), iter([1, 4]))
+    cache[4, 0, 0, 0] = NAN
+    id_forms = (
+        [4, 4, 1, 4],
+        (1, 4),
+        np.array([4, 1, 1]),
+        np.array([[1], [4]], dtype=np.uint8),
+        torch.tensor([1, 4, 4], dtype=torch.int32),
+        iter([1, 4]),
+        range(1, 5, 3),
+        [np.int64(4), np.int16(1)],
+    )
     for ids in id_forms:
-        expect(check_blocks(cache, ids), nan={4}, checked=2)
-    expect(check_blocks(cache, []), checked=0)
-    assert check_blocks(cache, np.array([], dtype=np.int64)).clean
+        expect(check(cache, ids, method), nan={4}, checked=2)
+    expect(check(cache, [], method), checked=0)
+    assert check(cache, np.array([], dtype=np.int64), method).clean
 
 
-def test_near_max_values_are_no_false_alarm():
-    for dtype in DTYPES:
+@pytest.mark.parametrize("method", METHODS)
+def test_extreme_finite_values_are_no_false_alarm(method):
+    for dtype in FLOATS + FP8:
         info = torch.finfo(dtype)
-        cache = torch.full((NUM_BLOCKS, *BLOCK), info.max, dtype=dtype)
-        cache[::2] = -info.max
+        cache = torch.full((NUM_BLOCKS, *BLOCK), info.max, dtype=torch.float64).to(dtype)
+        if dtype != torch.float8_e8m0fnu:  # e8m0 has no sign
+            cache[::2] = -info.max
         cache[3] = info.tiny
-        assert check_blocks(cache, range(NUM_BLOCKS)).result == CHECK_CLEAN
+        cache[5] = 0
+        assert check(cache, range(NUM_BLOCKS), method).result == CHECK_CLEAN, dtype
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_512_mib_fp16_no_false_alarm():
     cache = torch.ones(4096, 64, 8, 128, dtype=torch.float16)  # 512 MiB; sum() of it is inf
     assert torch.isinf(cache[:1024].sum())
-    assert check_blocks(cache, range(4096)).clean
+    for method in METHODS:
+        assert check(cache, range(4096), method).clean
     cache[2048:] = torch.finfo(torch.float16).max
     cache[4000:] = -torch.finfo(torch.float16).max
-    result = check_blocks(cache, range(4096))
-    assert result.clean and result.checked_blocks == 4096
-    cache[4095, 63, 7, 127] = float("nan")
-    expect(check_blocks(cache, range(4096)), nan={4095})
+    for method in METHODS:
+        result = check(cache, range(4096), method)
+        assert result.clean and result.checked_blocks == 4096
+    cache[4095, 63, 7, 127] = NAN
+    cache[0, 0, 0, 0] = -INF
+    for method in METHODS:
+        expect(check(cache, range(4096), method), nan={4095}, inf={0})
 
 
-@pytest.mark.parametrize("dtype", [torch.float8_e5m2, torch.float8_e4m3fn])
-def test_fp8_is_upcast_and_checked(dtype):
-    cache = torch.ones(NUM_BLOCKS, *BLOCK).to(dtype)
-    cache[2, 0, 0, 0] = float("nan")
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("dtype", FP8)
+def test_fp8_every_variant(method, dtype):
+    cache = ones((NUM_BLOCKS, *BLOCK), dtype)
+    cache[2, 0, 0, 0] = NAN
+    if dtype in WITH_INF:
+        cache[5, 1, 1, 1] = -INF
+    else:
+        cache[5, 1, 1, 1] = torch.finfo(dtype).max  # the largest finite value, not a finding
     before = raw(cache).clone()
-    if dtype == torch.float8_e5m2:
-        cache[5, 1, 1, 1] = float("-inf")
-        before = raw(cache).clone()
-        expect(check_blocks(cache, range(NUM_BLOCKS)), nan={2}, inf={5})
-    else:  # e4m3fn has no Inf
-        expect(check_blocks(cache, range(NUM_BLOCKS)), nan={2})
+    expect(check(cache, range(NUM_BLOCKS), method), nan={2}, inf={5} if dtype in WITH_INF else ())
     assert torch.equal(raw(cache), before)
 
 
-def test_fp8_chunks_bound_the_temporary(monkeypatch):
-    monkeypatch.setattr(integrity, "_FP8_CHUNK_ELEMENTS", 3 * 64)  # 3 blocks of 64 elements per chunk
-    cache = torch.zeros(NUM_BLOCKS, *BLOCK).to(torch.float8_e5m2)
-    cache[7, 0, 0, 0] = float("inf")
-    cache[13, 0, 0, 0] = float("nan")
-    expect(check_blocks(cache, range(1, NUM_BLOCKS)), nan={13}, inf={7})
+@pytest.mark.parametrize("dtype", [torch.float8_e5m2, torch.float8_e4m3fn, torch.float8_e8m0fnu])
+def test_fp8_torch_chunks_find_bad_values_at_every_chunk_edge(monkeypatch, dtype):
+    """The torch path upcasts fp8 in chunks of whole blocks: a finding in the first block of a chunk, its
+    last block, or a run starting mid-chunk must never fall between two chunks."""
+    per_block = BLOCK[0] * BLOCK[1] * BLOCK[2]
+    monkeypatch.setattr(torch_path, "FP8_CHUNK_ELEMENTS", 3 * per_block)  # 3 blocks per chunk
+    num_blocks = 20
+    for ids in (range(num_blocks), range(1, num_blocks), [0, 1, 2, 3, 7, 8, 9, 10, 11, 12, 19]):
+        chunks = torch_path._chunks(ones((num_blocks, *BLOCK), dtype), torch_path._coalesce(sorted(ids)), per_block)
+        firsts = {start for start, _ in chunks}
+        lasts = {start + length - 1 for start, length in chunks}
+        assert len(chunks) > 2 and all(length <= 3 for _, length in chunks)
+        for block in sorted(firsts | lasts):
+            for value in bad_values(dtype):
+                cache = ones((num_blocks, *BLOCK), dtype)
+                cache[block, 0, 0, 0] = value
+                expect(check_blocks(cache, ids, method="torch"), *finding(value, block))
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     data=st.data(),
-    dtype=st.sampled_from(DTYPES),
-    block_dim=st.sampled_from([0, 1]),
+    method=st.sampled_from(METHODS),
+    dtype=st.sampled_from(FLOATS + FP8),
+    block_dim=st.sampled_from([0, 1, -1]),
     layers=st.integers(1, 3),
     strided=st.booleans(),
 )
-def test_random_selections_match_naive_reference(data, dtype, block_dim, layers, strided):
-    """Contiguous tensors (flat segment slices) and strided, non-contiguous ones (narrow views)."""
+def test_random_selections_match_naive_reference(data, method, dtype, block_dim, layers, strided):
+    """Contiguous tensors and strided, non-contiguous ones; any block dim; both paths."""
     num_blocks = data.draw(st.integers(1, 24))
-    shape = (num_blocks, 3, 5) if block_dim == 0 else (2, num_blocks, 7)
+    shape = {0: (num_blocks, 3, 5), 1: (2, num_blocks, 7), -1: (3, 4, num_blocks)}[block_dim]
     if strided:
-        tensors = [torch.randn(*shape[:-1], 2 * shape[-1]).to(dtype)[..., ::2] for _ in range(2 * layers)]
+        tensors = [ones((*shape[:-1], 2 * shape[-1]), dtype)[..., ::2] for _ in range(2 * layers)]
     else:
-        tensors = [torch.randn(shape).to(dtype) for _ in range(2 * layers)]
+        tensors = [ones(shape, dtype) for _ in range(2 * layers)]
     for _ in range(data.draw(st.integers(0, 6))):
         t = tensors[data.draw(st.integers(0, len(tensors) - 1))]
         where = np.unravel_index(data.draw(st.integers(0, t.numel() - 1)), shape)
-        t[tuple(int(i) for i in where)] = data.draw(st.sampled_from(list(BAD_VALUES.values())))
+        t[tuple(int(i) for i in where)] = data.draw(st.sampled_from(bad_values(dtype)))
     ids = data.draw(st.lists(st.integers(0, num_blocks - 1), max_size=2 * num_blocks))
     befores = [raw(t).clone() for t in tensors]
     cache = [(tensors[2 * i], tensors[2 * i + 1]) for i in range(layers)]
-    result = check_blocks(cache, ids, block_dim=block_dim)
+    result = check(cache, ids, method, block_dim=block_dim)
     nan, inf = naive(tensors, ids, block_dim)
     expect(result, nan, inf, checked=len(set(ids)))
     assert all(torch.equal(raw(t), b) for t, b in zip(tensors, befores))
 
 
-# --- validation -----------------------------------------------------------------------------------------
-
-
-def test_out_of_range_ids():
-    cache = torch.ones(NUM_BLOCKS, *BLOCK)
-    with pytest.raises(IndexError, match=r"block id 16 .*16 blocks"):
-        check_blocks(cache, [0, 16])
-    with pytest.raises(IndexError, match=r"block id -1 .*16 blocks"):
-        check_blocks(cache, [-1, 3])
-
-
-@pytest.mark.parametrize("ids", [[1.0], [True], ["3"], torch.tensor([1.0]), np.array([0.5]), [None]])
-def test_non_integer_ids(ids):
-    with pytest.raises(TypeError, match="integers"):
-        check_blocks(torch.ones(NUM_BLOCKS, *BLOCK), ids)
-
-
-def test_invalid_caches():
-    with pytest.raises(ValueError, match="disagree"):
-        check_blocks([torch.ones(4, 2), torch.ones(5, 2)], [0])
-    with pytest.raises(ValueError, match="block_dim 3"):
-        check_blocks(torch.ones(4, 2, 2), [0], block_dim=3)
-    with pytest.raises(ValueError, match="no tensors"):
-        check_blocks([], [0])
-    with pytest.raises(TypeError, match="torch.Tensor"):
-        check_blocks({"k": torch.ones(4)}, [0])
-    for dtype in (torch.int32, torch.bool, torch.uint8, torch.complex64):
-        with pytest.raises(TypeError, match="floating-point"):
-            check_blocks(torch.zeros(4, 2, dtype=dtype), [0])
-
-
-def test_empty_blocks_are_clean():
-    expect(check_blocks(torch.ones(4, 0), [1, 2]), checked=2)
+@pytest.mark.parametrize("method", METHODS)
+def test_empty_blocks_are_clean(method):
+    expect(check(torch.ones(4, 0), [1, 2], method), checked=2)
 
 
 # --- results and errors -------------------------------------------------------------------------------------

@@ -1,0 +1,44 @@
+"""kvobs.integrity: NaN/Inf checks over exactly the KV blocks a transfer touched, at memory speed.
+
+`validate_cache` once (a clear error for a cache that cannot be checked), then `check_blocks` per transfer.
+Importing this package does not import torch, NumPy or numba; the first check does.
+"""
+
+from kvobs.errors import CorruptKVError
+from kvobs.integrity.check import check_blocks
+from kvobs.integrity.result import CheckResult
+from kvobs.policy import POLICIES, IntegrityPolicy, Sampler
+
+__all__ = [
+    "POLICIES",
+    "CheckResult",
+    "CorruptKVError",
+    "IntegrityPolicy",
+    "Sampler",
+    "ValidatedCache",
+    "check_blocks",
+    "validate_cache",
+]
+
+
+def __getattr__(name: str) -> object:
+    """`validate_cache` and `ValidatedCache` live with torch: imported on first use."""
+    if name in ("validate_cache", "ValidatedCache"):
+        from kvobs.integrity import layout
+
+        return getattr(layout, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _flatten(cache: object) -> list[object]:
+    """Transitional, for kvobs.cache_checks until it calls `validate_cache`: the cache's tensors."""
+    from kvobs.integrity import layout
+
+    return [t for _, t in layout._flatten(cache, "cache")]
+
+
+def _validate_tensors(tensors: list[object], block_dim: int) -> int:
+    """Transitional, for kvobs.cache_checks until it calls `validate_cache`: the block count."""
+    from kvobs.integrity import layout
+
+    return layout.validate_cache(list(tensors), block_dim=block_dim).num_blocks

@@ -1,0 +1,70 @@
+"""`check_blocks`: NaN/Inf in exactly the KV blocks a transfer touched, without modifying the cache.
+
+Each tensor is read by the compiled kernel where it can (CPU tensors, numba installed: memory speed on
+scattered blocks, see `kvobs.integrity.kernel`), else by the pure-torch path (GPU tensors, no numba; see
+`kvobs.integrity.torch_path`). Both are exact: a block is NaN if any of its values in any tensor is NaN,
+else Inf if any is infinite (NaN wins, so the two lists are disjoint).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from kvobs.integrity.result import CheckResult
+
+if TYPE_CHECKING:
+    from kvobs.integrity.layout import ValidatedCache
+
+METHODS = ("auto", "kernel", "torch")
+
+
+def check_blocks(
+    cache: Any, block_ids: Iterable[int] | Any, *, block_dim: int | None = None, method: str = "auto"
+) -> CheckResult:
+    """Check the given blocks of a paged KV cache for NaN and Inf, without modifying it.
+
+    cache: a `ValidatedCache` (from `validate_cache`: no per-call validation), or anything `validate_cache`
+    accepts (a torch or DLPack tensor, lists of them per layer, (key, value) pairs per layer), validated on
+    every call. block_dim: the block dimension of a raw cache (default 0); for a validated cache it must be
+    None or the one it was validated with. block_ids: any iterable of ints, or an int array (NumPy, torch,
+    Paddle); duplicates are checked once; empty -> clean result with 0 blocks. method: "auto" (the kernel
+    where it applies, torch elsewhere), "kernel" (ValueError if some tensor cannot use it) or "torch".
+    """
+    from kvobs.integrity.layout import validate_cache
+
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+    validated = validate_cache(cache, block_dim=block_dim)
+    ids = validated.block_ids(block_ids)
+    if not ids:
+        return CheckResult(0, (), ())
+    nan, bad = _bad_blocks(validated, ids, method)
+    return CheckResult(len(ids), tuple(sorted(nan)), tuple(sorted(bad - nan)))
+
+
+def _bad_blocks(validated: ValidatedCache, ids: list[int], method: str) -> tuple[set[int], set[int]]:
+    """(NaN ids, non-finite ids) over all tensors, each read by the method chosen for it."""
+    import numpy as np
+
+    from kvobs.integrity import kernel, threads, torch_path
+
+    pairs = [(t, plan) for t, plan in zip(validated.tensors, validated.plans) if t.numel()]  # empty: nothing to read
+    by_kernel = [plan for _, plan in pairs if plan is not None and method != "torch"]
+    by_torch = [t for t, plan in pairs if plan is None or method == "torch"]
+    if by_torch and method == "kernel":
+        reason = kernel.unavailable_reason() or "a GPU tensor, or a layout or dtype the kernel does not read"
+        raise ValueError(f"method='kernel' cannot check {len(by_torch)} of the cache's tensors: {reason}")
+    nan: set[int] = set()
+    bad: set[int] = set()
+    if by_kernel:
+        id_array = np.asarray(ids, dtype=np.int64)
+        flags = threads.mark(by_kernel, id_array)  # 2: NaN, 1: Inf, 0: clean
+        if flags.any():
+            nan.update(id_array[flags == 2].tolist())
+            bad.update(id_array[flags != 0].tolist())
+    if by_torch:
+        torch_nan, torch_bad = torch_path.bad_blocks(by_torch, ids, validated.block_dim)
+        nan |= torch_nan
+        bad |= torch_bad
+    return nan, bad

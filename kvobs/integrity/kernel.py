@@ -1,0 +1,139 @@
+"""The fast CPU path: plans that let one compiled pass read the checked blocks in place.
+
+Why: torch has no reduction over a list of scattered slices, so the pure-torch path pays one reduction
+per run of adjacent blocks. The kernel (`kvobs.integrity.kernel_numba`) walks the blocks itself and keeps,
+per block, the largest key `(bits & mask) ^ flip` (see `kvobs.integrity.bits`): exact for every format,
+NaN and Inf told apart in the same pass, no temporary, no float arithmetic, so it runs at memory speed
+whether the blocks are adjacent or scattered.
+
+The kernel needs numba (an optional dependency). Without it, or when compiling fails, `plan()` returns None
+and the caller uses the pure-torch path; `unavailable_reason()` says why. Compiled code is cached on disk
+where numba finds a writable cache directory (NUMBA_CACHE_DIR, else next to the module, else the user's
+cache directory); where none is writable it is compiled in memory, once per process. The compiled function
+releases the GIL and holds no state: concurrent checks from many threads are safe.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvobs.integrity.bits import NonFiniteBits, non_finite_bits
+
+_log = logging.getLogger(__name__)
+
+# A block whose contiguous pieces are shorter than this many bytes would spend more time on bookkeeping
+# than on reading; more pieces per block than MAX_PIECES_PER_BLOCK would make the piece list itself large.
+MIN_PIECE_BYTES = 64
+MAX_PIECES_PER_BLOCK = 4096
+
+_WORDS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+_TORCH_WORDS = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
+
+_build_lock = threading.Lock()
+_kernel: Any = None
+_unavailable: str | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class KernelPlan:
+    """How the kernel reads one tensor's blocks: piece p of block b starts at `b * block_stride +
+    segments[p]` in `words` and is `length` words long."""
+
+    words: np.ndarray  # read-only 1-D view of the tensor's memory span as unsigned ints (no copy)
+    block_stride: int
+    segments: np.ndarray  # int64 offsets of the contiguous pieces of one block, relative to its start
+    length: int
+    bits: NonFiniteBits
+    constants: tuple[Any, ...]  # mask, flip, bad_min, nan_min as scalars of the word type
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes read per checked block."""
+        return self.segments.shape[0] * self.length * self.bits.width
+
+    def mark(self, ids: np.ndarray, flags: np.ndarray) -> None:
+        """Raise flags[j] to 2 where block ids[j] holds a NaN, else to 1 where it holds an Inf.
+
+        ids: int64, distinct, in range; flags: uint8, one per id, shared by all the tensors of a cache.
+        """
+        starts = ids * self.block_stride
+        if self.segments.shape[0] == 1:
+            starts += int(self.segments[0])
+            owners = np.arange(ids.shape[0], dtype=np.int64)
+        else:
+            starts = (starts[:, None] + self.segments[None, :]).reshape(-1)
+            owners = np.repeat(np.arange(ids.shape[0], dtype=np.int64), self.segments.shape[0])
+        _kernel(self.words, starts, owners, self.length, *self.constants, flags)
+
+
+def unavailable_reason() -> str | None:
+    """Why the kernel cannot be used in this process (None when it can); loads it on first call."""
+    _load()
+    return _unavailable
+
+
+def plan(tensor: Any, block_dim: int) -> KernelPlan | None:
+    """A plan for a CPU tensor the kernel can read efficiently; None sends the tensor to the torch path."""
+    bits = non_finite_bits(tensor.dtype)
+    if tensor.device.type != "cpu" or bits is None or tensor.numel() == 0 or _load() is None:
+        return None
+    shape, strides = tensor.shape, tensor.stride()
+    dims = [k for k in range(tensor.dim()) if k != block_dim and shape[k] != 1]
+    length = 1
+    while dims and strides[dims[-1]] == length:  # the contiguous tail of a block: one piece
+        length *= shape[dims.pop()]
+    segments = np.zeros(1, dtype=np.int64)
+    for k in dims:  # every other dim multiplies the pieces
+        segments = (segments[:, None] + np.arange(shape[k], dtype=np.int64) * strides[k]).reshape(-1)
+        if segments.shape[0] > MAX_PIECES_PER_BLOCK:
+            return None
+    if segments.shape[0] > 1 and length * bits.width < MIN_PIECE_BYTES:
+        return None
+    segments.flags.writeable = False
+    words = _words(tensor, bits.width)
+    if words is None:
+        return None
+    word = words.dtype.type
+    constants = (word(bits.mask), word(bits.flip), word(bits.bad_min), word(bits.nan_min))
+    return KernelPlan(words, strides[block_dim], segments, length, bits, constants)
+
+
+def _words(tensor: Any, width: int) -> np.ndarray | None:
+    """The tensor's memory span, first element to last, as read-only unsigned words (None: not viewable)."""
+    import torch
+
+    try:
+        as_ints = tensor.detach().view(getattr(torch, _TORCH_WORDS[width]))
+        span = 1 + sum((size - 1) * stride for size, stride in zip(as_ints.shape, as_ints.stride()))
+        words = torch.as_strided(as_ints, (span,), (1,), as_ints.storage_offset()).numpy().view(_WORDS[width])
+    except (RuntimeError, TypeError, ValueError):  # a tensor numpy cannot see (e.g. a tensor subclass)
+        return None
+    words.flags.writeable = False  # the kernel is compiled for read-only input: it cannot write the cache
+    return words
+
+
+def _load() -> Any:
+    """The compiled kernel, or None (with the reason kept) when numba is missing or fails."""
+    global _kernel, _unavailable
+    if _kernel is not None or _unavailable is not None:
+        return _kernel
+    with _build_lock:
+        if _kernel is None and _unavailable is None:
+            try:
+                _kernel = _compile()
+            except Exception as exc:  # noqa: BLE001 - any numba failure means: use the torch path
+                _unavailable = f"{type(exc).__name__}: {exc}"
+                _log.info("kvobs integrity kernel unavailable, using the torch path: %s", _unavailable)
+    return _kernel
+
+
+def _compile() -> Any:
+    from kvobs.integrity import kernel_numba
+
+    kernel_numba.compile_all()
+    return kernel_numba.block_flags

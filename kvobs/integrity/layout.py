@@ -1,0 +1,127 @@
+"""Validate a KV cache once, up front, into the description every later check of it reuses.
+
+Why once: a misconfigured cache (integer dtype, meta or sparse tensors, a wrong block_dim, layers that
+disagree) should fail when a guard is set up, before any lock or transfer, not on every call. The
+description also carries what the compiled kernel needs per tensor (word views, piece offsets), so a check
+of a validated cache does no per-tensor set-up.
+
+Any array that speaks DLPack (PaddlePaddle, NumPy, CuPy, JAX) is taken as a torch tensor over the same
+memory, without a copy.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvobs.integrity import kernel
+from kvobs.integrity.bits import NO_NON_FINITE, non_finite_bits
+from kvobs.integrity.ids import normalize_ids
+
+
+@dataclass(frozen=True, eq=False)
+class ValidatedCache:
+    """A cache that passed `validate_cache`: its tensors (as torch views of the caller's memory, in order),
+    the block dimension and block count they agree on, and per tensor how checks read it.
+
+    Holds the tensors (not copies): a cache whose list of layers changes later must be validated again.
+    """
+
+    tensors: tuple[torch.Tensor, ...]
+    block_dim: int
+    num_blocks: int
+    plans: tuple[kernel.KernelPlan | None, ...]
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(str(t.device) for t in self.tensors))
+
+    @property
+    def dtypes(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(str(t.dtype).removeprefix("torch.") for t in self.tensors))
+
+    @property
+    def methods(self) -> tuple[str, ...]:
+        """Per tensor, how `check_blocks(method="auto")` reads it: "kernel" (compiled, CPU) or "torch"."""
+        return tuple("torch" if p is None else "kernel" for p in self.plans)
+
+    def block_ids(self, block_ids: Any) -> list[int]:
+        """The ids, sorted and distinct; TypeError for non-integers, IndexError for ids beyond the cache."""
+        return normalize_ids(block_ids, self.num_blocks)
+
+    def __repr__(self) -> str:
+        return (
+            f"ValidatedCache({len(self.tensors)} tensors, num_blocks={self.num_blocks}, "
+            f"block_dim={self.block_dim}, devices={self.devices}, dtypes={self.dtypes}, "
+            f"methods={tuple(dict.fromkeys(self.methods))})"
+        )
+
+
+def validate_cache(cache: Any, *, block_dim: int | None = None) -> ValidatedCache:
+    """Validate a KV cache for NaN/Inf checks, once; pass the result to `check_blocks` instead of the cache.
+
+    cache: a tensor (torch, or any DLPack array: Paddle, NumPy, CuPy), or nested lists/tuples of them (one
+    per layer, or (key, value) pairs per layer). Every tensor must be a strided floating-point tensor with
+    data (not meta, not sparse) and the same number of blocks along `block_dim` (default 0).
+    Raises TypeError or ValueError naming the problem. Also compiles the fast kernel if it is not yet.
+    A `ValidatedCache` is returned as it is (block_dim, if given, must be the one it was validated with).
+    """
+    if isinstance(cache, ValidatedCache):
+        if block_dim is not None and operator.index(block_dim) != cache.block_dim:
+            raise ValueError(f"cache was validated with block_dim={cache.block_dim}, not {block_dim}")
+        return cache
+    block_dim = 0 if block_dim is None else operator.index(block_dim)
+    tensors = tuple(_flatten(cache, "cache"))
+    if not tensors:
+        raise ValueError("cache holds no tensors: nothing to check")
+    counts: dict[int, str] = {}
+    for where, t in tensors:
+        _validate_tensor(t, where, block_dim)
+        counts.setdefault(t.shape[block_dim], where)
+    if len(counts) > 1:
+        shown = ", ".join(f"{n} in {where}" for n, where in counts.items())
+        raise ValueError(f"tensors disagree on the number of blocks along dim {block_dim}: {shown}")
+    plans = tuple(kernel.plan(t, block_dim % t.dim()) for _, t in tensors)
+    return ValidatedCache(tuple(t for _, t in tensors), block_dim, next(iter(counts)), plans)
+
+
+def _flatten(cache: Any, where: str) -> list[tuple[str, torch.Tensor]]:
+    """(where, tensor) for every tensor in nested lists/tuples; DLPack arrays become torch views."""
+    if isinstance(cache, torch.Tensor):
+        return [(where, cache)]
+    if isinstance(cache, (list, tuple)):
+        return [pair for i, item in enumerate(cache) for pair in _flatten(item, f"{where}[{i}]")]
+    if hasattr(cache, "__dlpack__"):
+        try:
+            return [(where, torch.from_dlpack(cache))]
+        except (BufferError, RuntimeError, TypeError, ValueError) as exc:
+            raise TypeError(
+                f"{where}: cannot read this {type(cache).__name__} through DLPack without a copy: {exc}"
+            ) from exc
+    raise TypeError(
+        f"{where} must be a tensor (torch, or any DLPack array such as Paddle, NumPy or CuPy) or a list/tuple "
+        f"of them or of (key, value) pairs, got {type(cache).__name__}"
+    )
+
+
+def _validate_tensor(t: torch.Tensor, where: str, block_dim: int) -> None:
+    if t.layout != torch.strided:
+        raise TypeError(f"{where} is a {t.layout} tensor: only dense (strided) KV caches can be checked")
+    if t.device.type == "meta":
+        raise ValueError(f"{where} is on the meta device: it holds no data to check")
+    name = str(t.dtype).removeprefix("torch.")
+    if name in NO_NON_FINITE:
+        raise TypeError(
+            f"{where} is {name}, which cannot encode NaN or Inf: there is nothing to check "
+            "(turn the integrity check off for this cache)"
+        )
+    if non_finite_bits(t.dtype) is None:
+        raise TypeError(
+            f"cannot check a {name} tensor ({where}) for NaN/Inf: only floating-point KV caches "
+            "(fp16, bf16, fp32, fp64, fp8) can hold non-finite values"
+        )
+    if not -t.dim() <= block_dim < t.dim():
+        raise ValueError(f"block_dim {block_dim} out of range for {where} of shape {tuple(t.shape)}")
