@@ -16,7 +16,6 @@ from typing import Any, TextIO
 from prometheus_client import CollectorRegistry
 
 import kvobs
-from kvobs.cli import DEFAULT_DURATION_S, DEFAULT_METRICS_PORT
 from kvobs.sim.config import SimConfig
 from kvobs.sim.engine import SimEngine, SimulationFailed
 from kvobs.sim.progress import Progress, install_stop_handlers, status_line
@@ -29,11 +28,13 @@ SERVE_PROGRESS_INTERVAL_S = 5.0
 POLL_S = 0.05
 
 
-@dataclass
+@dataclass(kw_only=True)
 class DemoOptions:
-    duration_s: float | None = DEFAULT_DURATION_S  # per run; for `serve`, None runs until stopped
+    """What `kvobs demo` was asked to do (the CLI holds the defaults)."""
+
+    duration_s: float | None  # per run; for `serve`, None runs until stopped
+    metrics_port: int  # 0: do not serve
     seed: int = 0
-    metrics_port: int = DEFAULT_METRICS_PORT  # 0: do not serve
     metrics_addr: str = "127.0.0.1"
     otlp_endpoint: str | None = None
     faults: frozenset[str] = frozenset()
