@@ -1,72 +1,99 @@
-"""A prefill node's cache messager with kvobs' EarlySignalBuffer between the model runner and the sender.
+"""A prefill node's cache messager: kvobs's EarlySignalBuffer between the model runner and `obs.send`.
 
-The model runner reports, per step and layer, which batch slots are ready and how many prompt tokens they hold
-(cumulative). A "layer 0 ready" signal starts the send of that slot's KV to the decode node, but the transfer
-task for the slot is registered by another thread and may come later. The buffer keeps such early signals,
-hands each one over exactly once when its task registers, and drops stale, finished, expired or excess ones
-with a counted reason, so no request hangs on the decode side and no send thread dies on an assert.
+Three threads share one buffer, as in FastDeploy's CacheMessager:
+- the model runner reports, per layer, which batch slots hold how many prompt tokens (cumulative);
+- the scheduler registers each request's transfer task, here once after its "layer 0 ready" signal arrived;
+- the sender runs each send that may start through `obs.send` (a guarded transfer: span, metrics, lock),
+  then finishes the slot's task.
+The buffer keeps the early layer0 signal, hands it over exactly once when its task registers, and drops the
+stale, failed and orphaned signals with a counted reason, so no request hangs on the decode side and no send
+thread dies on an assert.
 
-Part 2 shows the tensor-parallel mode: two ranks see the same step's events in opposite orders and still release
-the same batch at the step boundary, so their send barriers line up.
+Part 2 shows tensor-parallel ranks: each rank's StepAlignedSignalBuffer sees the same step's events in
+another order and still releases the same batch at the step boundary, so the ranks' send barriers line up.
 
 Run: python examples/cache_messager.py
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 
 from prometheus_client import CollectorRegistry, generate_latest
 
 import kvobs
-from kvobs.signals import EarlySignalBuffer, ReadySignal
+from kvobs.signals import ReadySignal, StepAlignedSignalBuffer
 
+LAYERS = 4
 registry = CollectorRegistry()  # an application would usually keep prometheus_client's default registry
 obs = kvobs.KVObserver("cache-messager-example", registry=registry, lock=None, integrity=None)
+signals = obs.signal_buffer(ttl_s=0.5, max_pending=64)
+ready: queue.Queue[ReadySignal | None] = queue.Queue()  # sends that may start, for the sender thread
+slot0_registered, slot1_signalled, leftovers_signalled = threading.Event(), threading.Event(), threading.Event()
 
 
-def start_send(sig: ReadySignal) -> None:
-    """Stands in for the messager's layer-by-layer send of `sig.slot` up to `sig.tokens` prompt tokens."""
-    waited = f" after waiting {sig.buffered_s * 1e3:.1f} ms" if sig.buffered_s else ""
-    print(f"send started: slot {sig.slot}, {sig.tokens} tokens{waited}")
+@obs.send(block_ids="block_ids")
+def send_kv(slot: int, tokens: int, block_ids: list[int]) -> None:
+    """Stands in for the layer-by-layer copy of `slot`'s KV blocks to the decode node."""
+
+
+def model_runner() -> None:
+    slot0_registered.wait()
+    for layer in range(LAYERS):  # slots 0 and 1 prefill 128 and 64 tokens; slot 1's task is not registered yet
+        for sig in signals.signal_batch(layer, slots=[0, 1], tokens=[128, 64]):
+            ready.put(sig)
+        slot1_signalled.set()
+    signals.signal(2, 0, 512)  # a stale signal left over from slot 2's previous request
+    signals.signal(3, 0, 32)  # slot 3's request fails before its task registers
+    signals.signal(7, 0, 16)  # slot 7's task never comes
+    leftovers_signalled.set()
+
+
+def scheduler() -> None:
+    signals.register(0, need_tokens=256)  # registered before its signal, as the old code assumed: ready at once
+    slot0_registered.set()
+    slot1_signalled.wait()
+    time.sleep(0.01)
+    if (sig := signals.register(1, need_tokens=64)) is not None:  # the early signal is recovered, exactly once
+        ready.put(sig)
+    leftovers_signalled.wait()
+    kept = signals.register(2, need_tokens=128)  # the stale signal claims more tokens than this task needs
+    print(f"slot 2 registered, stale signal dropped: {kept is None}")
+    signals.finish(3)  # the failed request: its waiting signal is dropped
+
+
+def sender() -> None:
+    while (sig := ready.get()) is not None:
+        send_kv(sig.slot, sig.tokens, block_ids=list(range(sig.slot * 8, sig.slot * 8 + 8)))
+        waited = f" after waiting {sig.buffered_s * 1e3:.1f} ms" if sig.buffered_s else ""
+        print(f"send started: slot {sig.slot}, {sig.tokens} tokens{waited}")
+        signals.finish(sig.slot)
 
 
 def single_rank() -> None:
-    buf = obs.signal_buffer(ttl_s=0.2, max_pending=64)
-
-    # Slot 0: the task registers first, as the old code assumed; its layer0 signal is ready at once.
-    buf.register(0, need_tokens=256)
-    # One model-runner step: slots 0 and 1 finished layer 0. Slot 1's task is not registered yet: buffered.
-    for sig in buf.signal_batch(0, slots=[0, 1], tokens=[128, 64]):
-        start_send(sig)
-    # An empty step (the runner's batch count -1) is a no-op.
-    assert buf.signal_batch(0, slots=[], tokens=[], count=-1) == []
-    time.sleep(0.01)
-    # Slot 1's task arrives: the buffered signal is recovered, exactly once.
-    if (sig := buf.register(1, need_tokens=64)) is not None:
-        start_send(sig)
-
-    # Slot 2: a stale signal left over from an earlier request claims more tokens than the new task needs.
-    buf.signal(2, 0, 512)
-    assert buf.register(2, need_tokens=128) is None
-    # Slot 3: the request failed before its task registered; finish() drops the waiting signal.
-    buf.signal(3, 0, 32)
-    buf.finish(3)
-    # Slot 7: a signal whose task never comes. Its age is visible at every scrape, then it expires.
-    buf.signal(7, 0, 16)
-    time.sleep(0.05)
-    print(f"pending: {buf.pending_count}, oldest waiting {buf.oldest_pending_age() * 1e3:.0f} ms")
-    time.sleep(0.2)
-    print(f"expired: {buf.expire()}")
-    for slot in (0, 1, 2):
-        buf.finish(slot)
+    send_thread = threading.Thread(target=sender)
+    send_thread.start()
+    feeders = [threading.Thread(target=model_runner), threading.Thread(target=scheduler)]
+    for t in feeders:
+        t.start()
+    for t in feeders:
+        t.join()
+    ready.put(None)
+    send_thread.join()
+    # slot 7's orphaned signal: its age is visible at every scrape until it expires
+    print(f"pending: {signals.pending_count}, oldest waiting {signals.oldest_pending_age() * 1e3:.0f} ms")
+    time.sleep(0.55)
+    print(f"expired: {signals.expire()}")
+    signals.finish(2)
 
 
 def tensor_parallel() -> None:
     # each rank is its own process with its own observer; here two bare buffers stand in for them
-    ranks = [EarlySignalBuffer(step_aligned=True, ttl_steps=8) for _ in range(2)]
-    ranks[0].signal(5, 0, 96)  # step 1: slot 5's layer0 signal, no task yet on either rank
-    ranks[1].signal(5, 0, 96)
+    ranks = [StepAlignedSignalBuffer(ttl_steps=8) for _ in range(2)]
+    for rank in ranks:
+        rank.signal(5, 0, 96)  # step 1: slot 5's layer0 signal, no task yet on either rank
     assert ranks[0].end_step() == ranks[1].end_step() == []
     # step 2: a newer signal and the registration race, in opposite orders on the two ranks
     ranks[0].register(5, need_tokens=256)
@@ -80,7 +107,7 @@ def tensor_parallel() -> None:
 def main() -> None:
     single_rank()
     tensor_parallel()
-    wanted = ("kvobs_signals_total{", "kvobs_signal_buffered_seconds_count{")
+    wanted = ("kvobs_signals_total{", "kvobs_signal_buffered_seconds_count{", "kvobs_transfers_total{")
     for line in generate_latest(registry).decode().splitlines():
         if line.startswith(wanted) and not line.endswith(" 0.0"):
             print(line)

@@ -46,6 +46,9 @@ SIGNAL_DROPPED_INVALID: Final = "dropped_invalid"
 SIGNAL_DROPPED_FINISHED: Final = "dropped_finished"
 SIGNAL_EXPIRED: Final = "expired"
 SIGNAL_OVERFLOW: Final = "overflow"
+# a registration (or a step-aligned step record) refused because the buffer's bound is reached: tasks never
+# finished, or end_step() never called
+SIGNAL_REFUSED: Final = "refused"
 SIGNAL_OUTCOMES: Final = (
     SIGNAL_READY,
     SIGNAL_BUFFERED,
@@ -54,6 +57,7 @@ SIGNAL_OUTCOMES: Final = (
     SIGNAL_DROPPED_FINISHED,
     SIGNAL_EXPIRED,
     SIGNAL_OVERFLOW,
+    SIGNAL_REFUSED,
 )
 
 # Label names (low cardinality only: never ids, keys or block numbers).

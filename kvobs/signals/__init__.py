@@ -1,0 +1,12 @@
+"""Early layer0 signals: buffered until their transfer task registers, recovered exactly once, bounded.
+
+`EarlySignalBuffer` decides at each call (one engine process, any number of threads);
+`StepAlignedSignalBuffer` decides once per model-runner step in a canonical order, so tensor-parallel ranks
+release identical batches. Both share one decision core (`kvobs.signals.core`).
+"""
+
+from kvobs.signals.immediate import EarlySignalBuffer
+from kvobs.signals.records import Progress, ReadySignal, SignalBufferFull
+from kvobs.signals.step_aligned import StepAlignedSignalBuffer
+
+__all__ = ["EarlySignalBuffer", "Progress", "ReadySignal", "SignalBufferFull", "StepAlignedSignalBuffer"]

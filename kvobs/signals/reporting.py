@@ -1,0 +1,226 @@
+"""What a signal buffer tells the outside world about its decisions: metrics, span events and logs.
+
+Why outcomes are tallied in plain ints: a decision costs well under a microsecond, and a prometheus
+`Counter.inc` or `Histogram.observe` about as much again. The buffer counts each outcome and notes each
+recovered signal's wait under the lock it already holds; `Tally.flush` adds them to the metric children in
+one batch. A flush runs whenever the pending-signals gauge is read (prometheus collects
+kvobs_pending_signals before kvobs_signals_total, so a scrape shows every decision taken before it), on every
+gauge refresh in multiprocess mode, once FLUSH_AT waits are noted, and when the buffer is garbage-collected or
+the process exits. A forked child starts from empty tallies: what the parent counted, the parent flushes.
+
+Drops (and recoveries, when someone records them) are span events on the caller's current span; drops are
+logged at warning at most once per outcome per LOG_INTERVAL_S, with the number of lines left out. A telemetry
+failure never reaches the engine and never changes a decision: it is counted in kvobs_telemetry_errors_total
+and logged once per stage per interval, with the exception.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import weakref
+from bisect import bisect_right
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from opentelemetry import trace
+
+from kvobs import semconv as sc
+from kvobs.signals.records import Decision
+from kvobs.telemetry.logs import level_number
+from kvobs.telemetry.metrics import EngineMetrics, bind_scrape_time
+from kvobs.telemetry.ratelimit import RateLimitedLog
+
+FLUSH_AT = 512  # recovered waits noted before a flush is forced: bounds the memory between two scrapes
+LOG_INTERVAL_S = 10.0
+ATTR_WAITED_S = "kvobs.signal.waited_s"
+EVENT_TELEMETRY_ERROR = "kvobs.telemetry.error"
+
+_DROPS = (sc.SIGNAL_DROPPED_INVALID, sc.SIGNAL_DROPPED_FINISHED, sc.SIGNAL_EXPIRED, sc.SIGNAL_OVERFLOW,
+          sc.SIGNAL_REFUSED)
+
+
+class Tally:
+    """Outcome counts and recovered waits of one buffer, changed only under that buffer's lock until flushed."""
+
+    __slots__ = ("counts", "waits", "_lock", "_counters", "_add_waits", "_failed", "__weakref__")
+
+    def __init__(self, lock: threading.Lock, metrics: EngineMetrics | None,
+                 failed: Callable[[str], None]) -> None:
+        self.counts: dict[str, int] = dict.fromkeys(sc.SIGNAL_OUTCOMES, 0)
+        self.waits: list[float] = []
+        self._lock = lock
+        self._failed = failed
+        self._counters = metrics.signals if metrics is not None else None
+        self._add_waits = _histogram_adder(metrics.signal_buffered) if metrics is not None else None
+        _forget_in_forked_children(self)
+
+    def flush(self) -> None:
+        with self._lock:
+            self.flush_locked()
+
+    def flush_locked(self) -> None:
+        """Move everything counted into the metric children; a child that raises loses its delta, counted."""
+        counts, waits = self.counts, self.waits
+        if self._counters is not None:
+            for outcome, n in counts.items():
+                if n:
+                    try:
+                        self._counters[outcome].inc(n)
+                    except Exception:  # noqa: BLE001 - telemetry never breaks the engine
+                        self._failed("metrics")
+            if waits:
+                try:
+                    self._add_waits(waits)
+                except Exception:  # noqa: BLE001
+                    self._failed("metrics")
+        for outcome in counts:
+            counts[outcome] = 0
+        waits.clear()
+
+    def forget(self) -> None:
+        """In a forked child: the parent's unflushed counts are the parent's to flush."""
+        for outcome in self.counts:
+            self.counts[outcome] = 0
+        self.waits.clear()
+
+
+def _histogram_adder(child: Any) -> Callable[[list[float]], None]:
+    """Add many observations to a histogram child at once.
+
+    For a prometheus_client child (non-cumulative `_buckets`, their `_upper_bounds`, and `_sum`, stable since
+    0.4): one inc per touched bucket and one for the sum, instead of two locked incs per value. Any other child
+    gets one `observe()` per value.
+    """
+    def observe_each(values: list[float]) -> None:
+        for value in values:
+            child.observe(value)
+
+    try:
+        bounds, buckets, total = (getattr(child, name, None) for name in ("_upper_bounds", "_buckets", "_sum"))
+        fast = (isinstance(bounds, list) and isinstance(buckets, list) and len(bounds) == len(buckets)
+                and all(callable(getattr(v, "inc", None)) for v in (*buckets, total)))
+    except Exception:  # noqa: BLE001 - an odd child gets the public path; its failures are counted there
+        fast = False
+    if not fast:
+        return observe_each
+
+    def add(values: list[float]) -> None:
+        values = sorted(values)
+        below = 0  # values in the buckets before this one: a value goes into the first bucket whose bound >= it
+        for index, bound in enumerate(bounds):
+            upto = bisect_right(values, bound, below)
+            if upto > below:
+                buckets[index].inc(upto - below)
+                below = upto
+        total.inc(sum(values))
+
+    return add
+
+
+_live_tallies: "weakref.WeakSet[Tally]" = weakref.WeakSet()
+_fork_hook: list[bool] = []  # holds True once the at-fork hook is registered (once per process, on first use)
+_fork_hook_lock = threading.Lock()
+
+
+def _forget_in_forked_children(tally: Tally) -> None:
+    with _fork_hook_lock:
+        if not _fork_hook:
+            os.register_at_fork(after_in_child=lambda: [t.forget() for t in list(_live_tallies)])
+            _fork_hook.append(True)
+        _live_tallies.add(tally)
+
+
+class SignalReporter:
+    """Span events, logs and telemetry-failure accounting for one buffer; its `tally` holds the counts."""
+
+    def __init__(self, lock: threading.Lock, metrics: EngineMetrics | None, logger: Any | None,
+                 log_level: str | int, clock: Callable[[], float]) -> None:
+        self._metrics = metrics
+        level = level_number(log_level)
+        # checked here, as the observer does, so an unconfigured structlog never prints a line per request
+        self._levels = {sc.SIGNAL_RECOVERED: "debug"} if level <= logging.DEBUG else {}
+        if level <= logging.WARNING:
+            self._levels.update(dict.fromkeys(_DROPS, "warning"))
+        self._logger = logger
+        self._log = None if logger is None else RateLimitedLog(
+            logger, LOG_INTERVAL_S, clock=clock, on_error=lambda: self._count("logging"))
+        self.tally = Tally(lock, metrics, self.failed)
+
+    def describes(self, outcome: str) -> bool:
+        """Whether a decision with `outcome` is ever described (span events describe drops only)."""
+        return outcome in _DROPS or (self._logger is not None and outcome in self._levels)
+
+    def describe(self, decisions: Iterable[Decision]) -> None:
+        """For a drop, a span event on the current span (when it records); for every decision, its log line
+        when the level allows (drops rate-limited per outcome). Never raises."""
+        try:
+            span = trace.get_current_span()
+            recording = span.is_recording()
+        except Exception:  # noqa: BLE001
+            recording = False
+            self.failed("tracing")
+        levels = self._levels if self._logger is not None else {}
+        for d in decisions:
+            level = levels.get(d.outcome)
+            as_event = recording and d.outcome in _DROPS
+            if not as_event and level is None:
+                continue  # nobody records it: build nothing
+            attrs: dict[str, Any] = {sc.ATTR_SLOT: d.slot, sc.ATTR_OUTCOME: d.outcome, ATTR_WAITED_S: d.waited_s}
+            if d.tokens is not None:
+                attrs[sc.ATTR_TOKENS] = d.tokens
+            if d.need_tokens is not None:
+                attrs[sc.ATTR_NEED_TOKENS] = d.need_tokens
+            name = sc.EVENT_SIGNAL_RECOVERED if d.outcome == sc.SIGNAL_RECOVERED else sc.EVENT_SIGNAL_DROPPED
+            if as_event:
+                try:
+                    span.add_event(name, attrs)
+                except Exception:  # noqa: BLE001
+                    self.failed("tracing")
+            if level == "debug":
+                try:
+                    self._logger.debug(name, **attrs)
+                except Exception:  # noqa: BLE001
+                    self._count("logging")
+            elif level is not None:
+                self._log.log(d.outcome, level, name, **attrs)  # type: ignore[union-attr]
+
+    def failed(self, stage: str) -> None:
+        """A swallowed telemetry failure, inside an `except` block: counted, and logged once per interval."""
+        self._count(stage)
+        if self._log is not None:
+            self._log.log((EVENT_TELEMETRY_ERROR, stage), "warning", EVENT_TELEMETRY_ERROR, stage=stage,
+                          exc_info=True)
+
+    def _count(self, stage: str) -> None:
+        if self._metrics is not None:
+            self._metrics.count_telemetry_error(stage)
+
+
+def bind_gauges(buffer: Any, reporter: SignalReporter, metrics: EngineMetrics) -> None:
+    """Pending count and oldest age of `buffer` at scrape time, flushing its tally first.
+
+    The gauges hold the buffer weakly: a buffer the engine drops is collected (its tally flushed on the way)
+    and the gauges read 0 until another buffer binds them.
+    """
+    tally, ref = reporter.tally, weakref.ref(buffer)
+    weakref.finalize(buffer, tally.flush)
+
+    def pending() -> float:
+        tally.flush()
+        live = ref()
+        return 0.0 if live is None else live.pending_count
+
+    def oldest_age() -> float:
+        live = ref()
+        return 0.0 if live is None else live.oldest_pending_age()
+
+    def scrape_failed() -> None:
+        reporter.failed("scrape")
+
+    try:
+        bind_scrape_time(metrics.pending, pending, scrape_failed)
+        bind_scrape_time(metrics.oldest_age, oldest_age, scrape_failed)
+    except Exception:  # noqa: BLE001 - telemetry must not break the engine
+        reporter.failed("metrics")

@@ -1,0 +1,167 @@
+"""Signal buffers under floods: bounded memory, a handful of log lines, exact counts, nothing kept alive.
+
+Each test here failed on the buffer before these bounds existed (registrations grew without limit, every
+overflow printed a warning, a dropped buffer stayed alive through its gauges).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+import tracemalloc
+import weakref
+from pathlib import Path
+
+import pytest
+from prometheus_client import generate_latest
+from test_signals import ENGINE, FakeClock, RecordingLogger, counts, make_metrics, outcome_count
+
+from kvobs import semconv as sc
+from kvobs.signals import EarlySignalBuffer, ReadySignal, SignalBufferFull, StepAlignedSignalBuffer
+from kvobs.signals.reporting import LOG_INTERVAL_S
+from kvobs.telemetry.ratelimit import SUPPRESSED_FIELD
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_register_without_finish_is_bounded_refused_clearly_and_loses_nothing():
+    registry, metrics = make_metrics()
+    buf = EarlySignalBuffer(metrics=metrics, max_slots=8, clock=FakeClock())
+    for slot in range(8):
+        buf.register(slot, 10)
+    buf.signal(100, 0, 7)  # an early signal for the slot that will be refused
+    with pytest.raises(SignalBufferFull, match=r"max_slots=8 reached; finish\(\) every slot") as refused:
+        buf.register(100, 10)
+    assert isinstance(refused.value, RuntimeError)
+    assert pickle.loads(pickle.dumps(refused.value)).args == refused.value.args
+    assert buf.registered_slots() == frozenset(range(8)) and buf.pending_count == 1  # nothing changed
+    assert outcome_count(registry, "refused") == 1
+    buf.finish(0)
+    assert buf.register(100, 10) == ReadySignal(100, 0, 7, 0.0)  # the kept signal is recovered once room exists
+
+
+def test_a_flood_of_registrations_keeps_memory_flat():
+    buf = EarlySignalBuffer(max_slots=1024)
+    tracemalloc.start()
+    try:
+        for slot in range(2048):
+            try:
+                buf.register(slot, 10)
+            except SignalBufferFull:
+                pass
+        full = tracemalloc.get_traced_memory()[0]
+        for slot in range(2048, 40_000):
+            try:
+                buf.register(slot, 10)
+            except SignalBufferFull:
+                pass
+        later = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert len(buf.registered_slots()) == 1024
+    assert later - full < 64 * 1024  # 38,000 more refusals kept (almost) nothing
+
+
+def test_overflow_floods_write_a_handful_of_lines_and_count_exactly():
+    registry, metrics = make_metrics()
+    logger, clock = RecordingLogger(), FakeClock()
+    buf = EarlySignalBuffer(metrics=metrics, logger=logger, max_pending=64, clock=clock)
+    for slot in range(20_000):
+        buf.signal(slot, 0, 1)
+    assert counts(registry)["overflow"] == 20_000 - 64 and counts(registry)["buffered"] == 20_000
+    assert [kw[sc.ATTR_SLOT] for _, _, kw in logger.records] == [0]  # one line for 19,936 evictions
+    clock.advance(LOG_INTERVAL_S)
+    buf.signal(20_000, 0, 1)
+    assert len(logger.records) == 2
+    assert logger.records[-1][2][SUPPRESSED_FIELD] == 20_000 - 64 - 1  # the next line says what was left out
+    buf.finish(19_999)  # another kind of drop has its own line
+    assert [kw[sc.ATTR_OUTCOME] for _, _, kw in logger.records] == ["overflow", "overflow", "dropped_finished"]
+
+
+def test_step_record_flood_without_end_step_is_bounded_and_quiet():
+    registry, metrics = make_metrics()
+    logger = RecordingLogger()
+    buf = StepAlignedSignalBuffer(metrics=metrics, logger=logger, max_slots=100, max_pending=50, clock=FakeClock())
+    refused = 0
+    for slot in range(5000):
+        buf.signal(slot, 0, 1)
+        try:
+            buf.register(slot, 1)
+        except SignalBufferFull:
+            refused += 1
+    assert refused == 5000 - 200 and outcome_count(registry, "refused") == refused
+    assert outcome_count(registry, "overflow") == 5000 - 50  # staged signals beyond max_pending slots
+    assert [kw[sc.ATTR_OUTCOME] for _, _, kw in logger.records] == ["overflow", "refused"]
+
+
+@pytest.mark.parametrize("kind", [EarlySignalBuffer, StepAlignedSignalBuffer])
+def test_a_dropped_buffer_is_collected_and_its_counts_are_kept(kind):
+    registry, metrics = make_metrics()
+    buf = kind(metrics=metrics)
+    buf.signal(1, 0, 5)
+    if kind is StepAlignedSignalBuffer:
+        buf.end_step()
+    assert registry.get_sample_value(sc.PENDING_SIGNALS, {"engine": ENGINE}) == 1.0
+    buf.signal(2, 0, 5)  # not flushed yet: no scrape since
+    if kind is StepAlignedSignalBuffer:
+        buf.end_step()
+    alive = weakref.ref(buf)
+    del buf
+    gc.collect()
+    assert alive() is None  # the scrape-time gauges hold it weakly
+    text = generate_latest(registry).decode()
+    assert f'{sc.PENDING_SIGNALS}{{engine="{ENGINE}"}} 0.0' in text
+    assert f'{sc.SIGNALS_TOTAL}{{engine="{ENGINE}",outcome="buffered"}} 2.0' in text  # flushed on collection
+
+
+def test_thousands_of_dropped_buffers_do_not_accumulate():
+    registry, metrics = make_metrics()
+    refs = []
+    for _ in range(2000):
+        buf = EarlySignalBuffer(metrics=metrics)
+        buf.signal(1, 0, 1)
+        refs.append(weakref.ref(buf))
+    del buf
+    gc.collect()
+    assert sum(r() is not None for r in refs) == 0
+    assert outcome_count(registry, "buffered") == 2000
+
+
+MULTIPROCESS_SCRIPT = textwrap.dedent("""
+    import os, sys
+    from prometheus_client import CollectorRegistry
+    from kvobs.signals import EarlySignalBuffer
+    from kvobs.telemetry import metrics as tm
+
+    tm._Refresher.refresh_interval = 3600  # no periodic flush: what reaches the files is flushed at exit
+    metrics = tm.EngineMetrics(tm.MetricFamilies.of(CollectorRegistry()), engine="mp", lock_name="cache")
+    buf = EarlySignalBuffer(metrics=metrics)
+    for slot in range(5):
+        buf.register(slot, 10)
+        buf.signal(slot, 0, 5)  # 5 ready, counted in this process and not flushed yet
+    pid = os.fork()
+    if pid == 0:
+        for slot in range(5, 8):
+            buf.signal(slot, 0, 5)  # 3 buffered in the child, which must not flush the parent's 5 again
+        sys.exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+""")
+
+
+def test_multiprocess_counts_reach_the_files_at_exit_once_even_across_fork(tmp_path):
+    env = {**os.environ, sc.ENV_MULTIPROC_DIR: str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", MULTIPROCESS_SCRIPT], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=str(tmp_path))
+    value = lambda outcome: registry.get_sample_value(  # noqa: E731
+        sc.SIGNALS_TOTAL, {"engine": "mp", "outcome": outcome})
+    assert value("ready") == 5 and value("buffered") == 3
