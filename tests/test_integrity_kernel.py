@@ -147,7 +147,7 @@ def test_kernel_declines_what_it_cannot_read_fast_and_says_so():
 
 
 def test_without_numba_everything_runs_on_torch(monkeypatch):
-    monkeypatch.setattr(kernel, "_kernel", None)
+    monkeypatch.setattr(kernel, "_compiled", None)
     monkeypatch.setattr(kernel, "_unavailable", "ModuleNotFoundError: No module named 'numba'")
     cache = torch.ones(8, 4, 16, dtype=torch.bfloat16)
     cache[6, 0, 0] = float("nan")

@@ -35,7 +35,7 @@ _WORDS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _TORCH_WORDS = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
 
 _build_lock = threading.Lock()
-_kernel: Any = None
+_compiled: Any = None
 _unavailable: str | None = None
 
 
@@ -68,7 +68,7 @@ class KernelPlan:
         else:
             starts = (starts[:, None] + self.segments[None, :]).reshape(-1)
             owners = np.repeat(np.arange(ids.shape[0], dtype=np.int64), self.segments.shape[0])
-        _kernel(self.words, starts, owners, self.length, *self.constants, flags)
+        _compiled.block_flags(self.words, starts, owners, self.length, *self.constants, flags)
 
 
 def unavailable_reason() -> str | None:
@@ -99,6 +99,7 @@ def plan(tensor: Any, block_dim: int) -> KernelPlan | None:
     if words is None:
         return None
     word = words.dtype.type
+    _load().ready(word)
     constants = (word(bits.mask), word(bits.flip), word(bits.bad_min), word(bits.nan_min))
     return KernelPlan(words, strides[block_dim], segments, length, bits, constants)
 
@@ -118,22 +119,23 @@ def _words(tensor: Any, width: int) -> np.ndarray | None:
 
 
 def _load() -> Any:
-    """The compiled kernel, or None (with the reason kept) when numba is missing or fails."""
-    global _kernel, _unavailable
-    if _kernel is not None or _unavailable is not None:
-        return _kernel
+    """The kernel module (`kvobs.integrity.kernel_numba`), or None (with the reason kept) when numba is
+    missing or fails."""
+    global _compiled, _unavailable
+    if _compiled is not None or _unavailable is not None:
+        return _compiled
     with _build_lock:
-        if _kernel is None and _unavailable is None:
+        if _compiled is None and _unavailable is None:
             try:
-                _kernel = _compile()
+                _compiled = _compile()
             except Exception as exc:  # noqa: BLE001 - any numba failure means: use the torch path
                 _unavailable = f"{type(exc).__name__}: {exc}"
                 _log.info("kvobs integrity kernel unavailable, using the torch path: %s", _unavailable)
-    return _kernel
+    return _compiled
 
 
 def _compile() -> Any:
     from kvobs.integrity import kernel_numba
 
-    kernel_numba.compile_all()
-    return kernel_numba.block_flags
+    kernel_numba.ready(np.uint16)  # compiles the kernel once: a failure shows here, not inside a check
+    return kernel_numba

@@ -57,15 +57,21 @@ def block_flags(words, starts, owners, length, mask, flip, bad_min, nan_min, fla
                 flags[owner] = flag
 
 
-def compile_all() -> None:
-    """Compile (or load from the disk cache) every word width now, not inside the first check."""
+def ready(word: type) -> None:
+    """Compile (or load from the disk cache) the kernel for one word width, once: at validation, not inside
+    the first check. Thread-safe (numba compiles under its own lock; a repeat is a no-op)."""
+    if word in _ready:
+        return
     index = numba.types.Array(numba.types.int64, 1, "C")
+    scalar = numba.from_dtype(np.dtype(word))
+    words = numba.types.Array(scalar, 1, "C", readonly=True)
     flags = numba.types.Array(numba.types.uint8, 1, "C")
-    for word in (np.uint8, np.uint16, np.uint32, np.uint64):
-        scalar = numba.from_dtype(np.dtype(word))
-        words = numba.types.Array(scalar, 1, "C", readonly=True)
-        block_flags.compile((words, index, index, numba.types.int64, scalar, scalar, scalar, scalar, flags))
-        sample = np.zeros(1, dtype=word)
-        sample.flags.writeable = False  # the first call also resolves the types: keep it out of checks
-        zero, one = word(0), word(1)
-        block_flags(sample, np.zeros(1, np.int64), np.zeros(1, np.int64), 1, zero, zero, one, one, np.zeros(1, np.uint8))
+    block_flags.compile((words, index, index, numba.types.int64, scalar, scalar, scalar, scalar, flags))
+    sample = np.zeros(1, dtype=word)
+    sample.flags.writeable = False  # the first call also resolves the argument types: keep it out of checks
+    zero, one = word(0), word(1)
+    block_flags(sample, np.zeros(1, np.int64), np.zeros(1, np.int64), 1, zero, zero, one, one, np.zeros(1, np.uint8))
+    _ready.add(word)
+
+
+_ready: set[type] = set()
