@@ -11,9 +11,6 @@ from __future__ import annotations
 import fcntl
 import functools
 import os
-import re
-import stat
-import tempfile
 import threading
 import time
 import warnings
@@ -24,6 +21,7 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from kvobs.atomic import Held, push_if, push_unless_raises, release_now
 from kvobs.errors import LockTimeout
+from kvobs.lockfile import lock_directory, lock_path, open_lock_file, reopen
 
 __all__ = ["CacheLock", "Claim", "LockTimeout", "NullLock", "ProcessLock", "ThreadLock"]
 
@@ -197,63 +195,12 @@ def _wait_arg(timeout: float | None) -> float:
     return -1 if timeout is None else timeout
 
 
-_NAME = re.compile(r"[A-Za-z0-9_.-]+")
-_OPEN_FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
 _EX_NB = fcntl.LOCK_EX | fcntl.LOCK_NB
 _FIRST_SLEEP_S = 50e-6
 _MAX_SLEEP_S = 2e-3
 
 # Every open ProcessLock, so a forked child can re-open each one (see _reopen_in_child).
 _LOCKS: weakref.WeakSet[ProcessLock] = weakref.WeakSet()
-
-
-def _default_directory() -> str:
-    """``KVOBS_LOCK_DIR``, else ``/dev/shm`` (memory-backed, shared by the host's processes), else tmp."""
-    configured = os.environ.get("KVOBS_LOCK_DIR")
-    if configured:
-        return configured
-    if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK | os.X_OK):
-        return "/dev/shm"
-    return tempfile.gettempdir()
-
-
-def _open_lock_file(path: str, create: bool) -> int:
-    """Open the lock file without following a symlink, refusing anything but a regular file.
-
-    A link planted at a predictable path in a shared directory must not make us create or open a file
-    elsewhere. ``O_EXCL`` first tells whether we created the file, so only then is its mode forced to 0600.
-    """
-    try:
-        if create:
-            try:
-                fd = os.open(path, _OPEN_FLAGS | os.O_CREAT | os.O_EXCL, 0o600)
-            except FileExistsError:
-                fd = os.open(path, _OPEN_FLAGS)
-            else:
-                os.fchmod(fd, 0o600)  # exactly 0600, whatever the umask
-        else:
-            fd = os.open(path, _OPEN_FLAGS)
-    except FileNotFoundError as exc:
-        if create:
-            raise
-        raise FileNotFoundError(
-            exc.errno,
-            "cache lock file does not exist; its owner must create it first "
-            "(ProcessLock(name) with create=True) before others attach",
-            path,
-        ) from None
-    except OSError as exc:
-        if os.path.islink(path):
-            raise PermissionError(
-                f"refusing cache lock path {path}: a symlink was found at the lock path"
-            ) from exc
-        if os.path.lexists(path) and not os.path.isfile(path):
-            raise PermissionError(f"refusing cache lock path {path}: it is not a regular file") from exc
-        raise
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise PermissionError(f"refusing cache lock path {path}: it is not a regular file")
-    return fd
 
 
 class ProcessLock(_ExclusiveLock):
@@ -274,15 +221,11 @@ class ProcessLock(_ExclusiveLock):
         timeout: float | None = None,
         create: bool = True,
     ) -> None:
-        if not isinstance(name, str) or not _NAME.fullmatch(name):
-            raise ValueError(
-                f"invalid cache lock name {name!r}: use a non-empty name of letters, digits, '_', '.', '-'"
-            )
+        self.directory = lock_directory(directory)
+        self.path = lock_path(name, self.directory)  # InvalidLockName (a ValueError) for a bad name
         self.name = name
         self.timeout = timeout
-        self.directory = os.fspath(directory) if directory is not None else _default_directory()
-        self.path = os.path.join(self.directory, f"kvobs-{name}.lock")
-        self._fd = _open_lock_file(self.path, create)
+        self._fd = open_lock_file(self.path, create=create)
         self._mutex = threading.Lock()
         self._init_holding()
         _LOCKS.add(self)
@@ -351,12 +294,15 @@ class ProcessLock(_ExclusiveLock):
             self._fd = -1
 
     def _reopen_in_child(self) -> None:
-        """A forked child shares the parent's open file description, hence its flock: take a fresh one."""
-        os.close(self._fd)
-        self._fd = -1
+        """A forked child shares the parent's open file description, hence its flock: take a fresh one of
+        the same file (the parent's inode, even if the path was unlinked since; never a new file)."""
+        inherited, self._fd = self._fd, -1
         self._mutex = threading.Lock()  # a parent thread may have held it at fork time
         self._init_holding()
-        self._fd = _open_lock_file(self.path, create=False)
+        try:
+            self._fd = reopen(inherited, self.path)
+        finally:
+            os.close(inherited)
 
     def __repr__(self) -> str:
         return f"ProcessLock({self.name!r}, path={self.path!r})"

@@ -268,17 +268,23 @@ def test_created_file_is_0600_whatever_the_umask(tmp_path: Path) -> None:
     assert stat.S_IMODE(os.stat(lock.path).st_mode) == 0o600
 
 
-def test_existing_file_mode_is_left_alone(tmp_path: Path) -> None:
+def test_existing_file_with_another_mode_is_refused_and_left_alone(tmp_path: Path) -> None:
     path = tmp_path / "kvobs-kv.lock"
     path.touch()
-    path.chmod(0o660)  # an owner sharing the lock with a group
-    ProcessLock("kv", directory=tmp_path)
-    assert stat.S_IMODE(path.stat().st_mode) == 0o660
+    path.chmod(0o666)  # planted in advance: anyone could take the lock and stall every transfer
+    with pytest.raises(PermissionError, match="mode 0666, not 0600") as caught:
+        ProcessLock("kv", directory=tmp_path)
+    assert str(path) in str(caught.value)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o666
 
 
-def test_default_directory_from_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_default_directory_from_env_is_a_private_per_user_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("KVOBS_LOCK_DIR", str(tmp_path))
-    assert ProcessLock("kv").path == str(tmp_path / "kvobs-kv.lock")
+    private = tmp_path / f"kvobs-{os.geteuid()}"
+    assert ProcessLock("kv").path == str(private / "kvobs-kv.lock")
+    assert stat.S_IMODE(private.stat().st_mode) == 0o700
 
 
 @pytest.mark.parametrize("name", ["", "a/b", "../kv", "a b", "kv\n", "kv\\x", "é", "kv:1"])
@@ -286,6 +292,146 @@ def test_invalid_names_are_rejected(tmp_path: Path, name: str) -> None:
     with pytest.raises(ValueError, match="invalid cache lock name"):
         ProcessLock(name, directory=tmp_path)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_file_planted_by_another_user_is_refused(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("planting a file owned by another user needs root")
+    path = tmp_path / "kvobs-kv.lock"
+    path.touch(mode=0o600)
+    os.chown(path, 65534, 65534)
+    with pytest.raises(PermissionError, match="owned by uid 65534") as caught:
+        ProcessLock("kv", directory=tmp_path)
+    assert str(path) in str(caught.value)
+
+
+def test_name_too_long_for_the_file_system_is_a_value_error(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="longer than the"):
+        ProcessLock("k" * 300, directory=tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_unexpected_os_error_opening_the_file_comes_out_unchanged(tmp_path: Path) -> None:
+    import errno
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    probe = os.open(os.devnull, os.O_RDONLY)
+    os.close(probe)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (probe, hard))  # no descriptor number left
+    try:
+        with pytest.raises(OSError) as caught:
+            ProcessLock("kv", directory=tmp_path)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert type(caught.value) is OSError and caught.value.errno == errno.EMFILE
+
+
+def test_default_directory_without_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    import tempfile
+    import uuid
+
+    monkeypatch.delenv("KVOBS_LOCK_DIR", raising=False)
+    shm = os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK | os.X_OK)
+    private = os.path.join("/dev/shm" if shm else tempfile.gettempdir(), f"kvobs-{os.geteuid()}")
+    name = f"test-{uuid.uuid4().hex}"
+    lock = ProcessLock(name)
+    try:
+        assert lock.path == os.path.join(private, f"kvobs-{name}.lock")
+        assert stat.S_IMODE(os.stat(private).st_mode) == 0o700
+        assert stat.S_IMODE(os.stat(lock.path).st_mode) == 0o600
+        assert lock.acquire(timeout=0)
+        lock.release()
+    finally:
+        lock.close()
+        os.unlink(lock.path)
+
+
+def _use_unlinked_lock(lock: ProcessLock, parent_holds: Any, results: Any) -> None:
+    results.put(("while parent holds", lock.acquire(timeout=0.1)))
+    parent_holds.wait(30)
+    results.put(("after parent released", lock.acquire(timeout=10)))
+    lock.release()
+
+
+def test_forked_child_never_recreates_a_missing_lock_file(tmp_path: Path) -> None:
+    """The child re-opens the parent's file (same inode) even after it was unlinked: it still excludes the
+    parent, and no new file appears at the path."""
+    ctx = multiprocessing.get_context("fork")
+    lock = ProcessLock("kv", directory=tmp_path)
+    os.unlink(lock.path)
+    released, results = ctx.Event(), ctx.Queue()
+    assert lock.acquire(timeout=0)
+    proc = ctx.Process(target=_use_unlinked_lock, args=(lock, released, results))
+    proc.start()
+    try:
+        assert results.get(timeout=30) == ("while parent holds", False)
+        lock.release()
+        released.set()
+        assert results.get(timeout=30) == ("after parent released", True)
+    finally:
+        released.set()
+        proc.join(timeout=30)
+    assert proc.exitcode == 0
+    assert not os.path.exists(lock.path)
+
+
+def test_threads_with_a_sub_second_timeout_wait_for_the_holder(tmp_path: Path) -> None:
+    lock = ProcessLock("kv", directory=tmp_path)
+    taken, results = threading.Event(), []
+
+    def hold_briefly() -> None:
+        assert lock.acquire(timeout=0)
+        taken.set()
+        time.sleep(0.1)
+        lock.release()
+
+    holder_thread = threading.Thread(target=hold_briefly)
+    holder_thread.start()
+    assert taken.wait(10)
+    results.append(lock.acquire(timeout=0.9))  # waits for the thread instead of failing at once
+    holder_thread.join(timeout=10)
+    assert results == [True]
+    lock.release()
+
+
+class _Interrupt(Exception):
+    pass
+
+
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    raise _Interrupt
+
+
+def test_mutex_is_released_when_the_file_lock_wait_raises(tmp_path: Path) -> None:
+    """Ctrl-C while another process holds the flock: the undo steps recorded so far free the in-process
+    mutex, so the next thread is not locked out for good."""
+    from collections import deque
+
+    from kvobs.atomic import release_now
+    from kvobs.locks import Claim
+
+    lock = ProcessLock("kv", directory=tmp_path)
+    previous = signal.signal(signal.SIGALRM, _raise_interrupt)
+    try:
+        with holder("kv", tmp_path) as proc:
+            held: deque[Any] = deque()
+            signal.setitimer(signal.ITIMER_REAL, 0.05)
+            with pytest.raises(_Interrupt):
+                lock.acquire_into(held, Claim("prefetch"), 10.0)
+            assert len(held) == 1  # the mutex, and only the mutex: the flock was never taken
+            release_now(held)
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+            other: list[bool] = []
+            thread = threading.Thread(target=lambda: other.append(lock.acquire(timeout=5)))
+            thread.start()
+            thread.join(timeout=30)
+            assert other == [True]
+            lock.release()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def test_close_is_idempotent(tmp_path: Path) -> None:
