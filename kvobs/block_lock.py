@@ -1,0 +1,405 @@
+"""A cache lock whose unit is the block: transfers and the forward pass exclude each other only where
+their blocks overlap.
+
+One global lock serialises every forward pass behind storage I/O, yet the conflicts are per block: a
+prefetch writes a few newly allocated blocks, a write-back reads a finished request's blocks, the forward
+pass touches its batch's blocks. `BlockLock` locks one byte per block of a lock file with Linux OFD
+byte-range locks (see `kvobs.ofd`), runs of consecutive ids coalesced into one range:
+
+- cross-process and crash-safe: the kernel drops a dead holder's ranges, even after SIGKILL;
+- thread-safe: every claim takes its own open file description of the lock file (from a per-process pool,
+  since opening one per claim costs), so two claims of one process exclude each other in the kernel exactly
+  as two processes do, and any thread may release a claim;
+- shared and exclusive: readers (write-back, send) take ``F_RDLCK`` ranges, writers ``F_WRLCK``;
+- deadlock-free: a claim takes its runs in ascending block order, holding the earlier ones while it waits;
+- writers do not starve: a writer that has to wait first takes the run's "turnstile" bytes (block b's
+  turnstile is byte ``num_blocks + b``) and holds them until it gets the blocks; every reader first checks
+  the turnstile over its span and waits while a writer is queued there, so the readers already inside drain
+  and no new ones pass the writer;
+- timed and all-or-nothing: waiting polls with short exponential back-off up to the deadline; a timeout
+  releases whatever the claim took.
+
+Every acquisition step records its undo in the same C-level call that performs it (see `kvobs.atomic`):
+taking a pooled description pushes "return it to the pool", then "unlock everything on it" is pushed before
+any range is locked, so however an asynchronous exception interrupts a claim, running the undo steps frees
+exactly what it holds.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import functools
+import operator
+import os
+import time
+import weakref
+from collections import deque
+from collections.abc import Sequence
+from itertools import repeat
+from types import TracebackType
+from typing import Any, NamedTuple
+
+from kvobs import ofd
+from kvobs.atomic import Held, push_unless_raises, release_now
+from kvobs.block_holders import HolderTable
+from kvobs.errors import LockTimeout
+from kvobs.lockfile import lock_directory, lock_path, open_lock_file, reopen
+from kvobs.locks import UNKNOWN_HOLDER, Claim, OnConflict
+from kvobs.semconv import CLAIM_EXCLUSIVE, CLAIM_SHARED
+
+__all__ = ["BlockClaim", "BlockLock"]
+
+_FIRST_PAUSE_S = 50e-6
+_MAX_PAUSE_S = 1e-3
+_MAX_BLOCKS = 1 << 40  # data and turnstile bytes stay far below the init byte (1 << 62)
+_SUFFIX = ".blocks"
+
+_CALL = operator.methodcaller("__call__")
+_POPLEFT = deque.popleft
+
+# Every open BlockLock, so a forked child can drop the parent's claims (see _forget_parent_claims).
+_LOCKS: weakref.WeakSet[BlockLock] = weakref.WeakSet()
+
+
+class _Slot(NamedTuple):
+    """One open file description of the lock file; a claim's ranges live on it alone."""
+
+    fd: int
+    setlk: functools.partial[Any]  # fcntl(fd, F_OFD_SETLK, flock)
+    unlock_all: functools.partial[Any]  # releases every range on fd: the claim's whole undo in one call
+    forget: functools.partial[Any]  # drops the claim's record from the process's table
+
+
+class _Record(NamedTuple):
+    since: float
+    blocks: int
+    exclusive: bool
+
+
+class _Plan(NamedTuple):
+    """A claim turned into lock requests: one ``struct flock`` per run of consecutive blocks."""
+
+    requests: list[bytes]
+    starts: list[int]
+    lengths: list[int]
+    blocks: int
+
+
+class BlockLock:
+    """A cross-process cache lock over `num_blocks` blocks, claimed per block, shared or exclusive.
+
+    Every process of the engine opens it by the same `name` and `num_blocks` (the first one creates the
+    lock file; `attach` only opens an existing one; pickling attaches). Linux only (OFD locks, kernel 3.15+).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        num_blocks: int,
+        *,
+        directory: str | os.PathLike[str] | None = None,
+        create: bool = True,
+    ) -> None:
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or not 1 <= num_blocks <= _MAX_BLOCKS:
+            raise ValueError(f"num_blocks must be an int from 1 to {_MAX_BLOCKS}, got {num_blocks!r}")
+        self.directory = lock_directory(directory)
+        self.path = lock_path(name, self.directory, _SUFFIX)
+        self.name = name
+        self.num_blocks = num_blocks
+        fd = open_lock_file(self.path, create=create)
+        try:
+            ofd.check_supported(fd)
+            self._holders = HolderTable(fd, num_blocks, self.path)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        self._whole = {
+            exclusive: _Plan([ofd.pack(kind, 0, num_blocks)], [0], [num_blocks], num_blocks)
+            for exclusive, kind in ((True, fcntl.F_WRLCK), (False, fcntl.F_RDLCK))
+        }
+        # Every descriptor this lock opened, closed together on close() or when the lock is collected.
+        self._open_fds: list[int] = [fd]
+        self._finalizer = weakref.finalize(self, _close_all, self._open_fds, self._holders)
+        self._start_process_state()
+        _LOCKS.add(self)
+
+    @classmethod
+    def attach(
+        cls, name: str, num_blocks: int, *, directory: str | os.PathLike[str] | None = None
+    ) -> BlockLock:
+        """Open a block lock whose file its owner already created; a missing file is a FileNotFoundError."""
+        return cls(name, num_blocks, directory=directory, create=False)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # A spawned worker attaches by name to the same file; it never creates one.
+        return functools.partial(BlockLock.attach, directory=self.directory), (self.name, self.num_blocks)
+
+    def _start_process_state(self) -> None:
+        self._pool: deque[_Slot] = deque()  # idle descriptions, most recently used on the right
+        self._slots: list[_Slot] = []
+        self._active: dict[int, _Record] = {}  # fd -> the claim that fd holds
+        self._pop_slot = (self._pool.pop,)
+        self._returner = functools.partial(functools.partial, self._pool.append)
+
+    # --- the cache-lock protocol ----------------------------------------------------------------------
+
+    def acquire_into(
+        self, held: Held, claim: Claim, timeout: float | None, on_conflict: OnConflict | None = None
+    ) -> bool:
+        plan = self._plan(claim)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        before = len(held)
+        slot = self._take_slot(held)
+        held.appendleft(slot.unlock_all)  # before any range: from here one call frees all the claim holds
+        if not self._lock(slot, plan, claim, deadline, on_conflict):
+            _undo_newest(held, len(held) - before)
+            return False
+        self._holders.stamp(plan.starts, self._holders.code(claim.holder))
+        record = _Record(time.monotonic(), plan.blocks, claim.exclusive)
+        push_unless_raises(held, slot.forget, self._active.__setitem__, slot.fd, record)
+        return True
+
+    def overlaps(self, a: Claim, b: Claim) -> bool:
+        """Claims exclude each other when at least one is exclusive and their blocks meet (no blocks: all)."""
+        if not (a.exclusive or b.exclusive):
+            return False
+        if not a.blocks or not b.blocks:
+            return True
+        return not set(a.blocks).isdisjoint(b.blocks)
+
+    def held_for(self) -> float:
+        """Seconds the oldest claim this process holds now has been held; 0.0 when it holds none."""
+        records = list(self._active.values())
+        return time.monotonic() - min(record.since for record in records) if records else 0.0
+
+    def blocks_claimed(self) -> dict[str, int]:
+        """Blocks this process holds now, per claim mode (``shared``, ``exclusive``); cheap at scrape time.
+
+        A block held by two shared claims counts twice: these are claimed blocks, not distinct ones.
+        """
+        counts = {CLAIM_SHARED: 0, CLAIM_EXCLUSIVE: 0}
+        for record in list(self._active.values()):
+            counts[CLAIM_EXCLUSIVE if record.exclusive else CLAIM_SHARED] += record.blocks
+        return counts
+
+    # --- direct use, outside kvobs's guards -------------------------------------------------------------
+
+    def claim(
+        self,
+        blocks: Sequence[int] = (),
+        *,
+        exclusive: bool = True,
+        timeout: float | None = None,
+        holder: str = "direct",
+    ) -> BlockClaim:
+        """A context manager holding `blocks` (sorted distinct ids; empty: the whole cache); LockTimeout
+        when they cannot be had within `timeout` seconds."""
+        return BlockClaim(self, Claim(holder, tuple(blocks), exclusive), timeout)
+
+    # --- inside a claim ------------------------------------------------------------------------------
+
+    def _plan(self, claim: Claim) -> _Plan:
+        """Check the ids (sorted, distinct, in range) and coalesce them into runs, before touching any lock."""
+        blocks = claim.blocks
+        if not blocks:
+            return self._whole[bool(claim.exclusive)]
+        first, last = blocks[0], blocks[-1]
+        if type(first) is not int or type(last) is not int or first < 0 or last >= self.num_blocks:
+            raise ValueError(
+                f"block ids of {self.name!r} must be ints from 0 to {self.num_blocks - 1}; got {first!r}..{last!r}"
+            )
+        starts = [first]
+        ends = []
+        expected = first
+        for block in blocks:
+            if block != expected:
+                if block < expected:
+                    raise ValueError(f"block ids must be sorted and distinct; {block!r} follows {expected - 1!r}")
+                ends.append(expected)
+                starts.append(block)
+            expected = block + 1
+        ends.append(expected)
+        lengths = list(map(operator.sub, ends, starts))
+        kind = fcntl.F_WRLCK if claim.exclusive else fcntl.F_RDLCK
+        requests = list(map(functools.partial(ofd.FLOCK.pack, kind, os.SEEK_SET), starts, lengths, repeat(0)))
+        return _Plan(requests, starts, lengths, len(blocks))
+
+    def _take_slot(self, held: Held) -> _Slot:
+        """Pop an idle description and push its return to the pool, in one C call; open one if none is idle."""
+        while True:
+            try:
+                held.extendleft(map(self._returner, map(_CALL, self._pop_slot)))
+            except IndexError:
+                self._grow()
+                continue
+            return held[0].args[0]  # type: ignore[no-any-return]
+
+    def _grow(self) -> None:
+        if self._fd < 0:
+            raise ValueError(f"{self!r} is closed")
+        fd = reopen(self._fd, self.path)
+        self._open_fds.append(fd)
+        setlk = functools.partial(fcntl.fcntl, fd, ofd.F_OFD_SETLK)
+        slot = _Slot(fd, setlk, functools.partial(setlk, ofd.UNLOCK_ALL), functools.partial(self._active.pop, fd, None))
+        self._slots.append(slot)
+        self._pool.append(slot)
+
+    def _lock(
+        self, slot: _Slot, plan: _Plan, claim: Claim, deadline: float | None, on_conflict: OnConflict | None
+    ) -> bool:
+        """Lock every run of `plan` on `slot`; False when the deadline passed first."""
+        if not claim.exclusive:
+            gate = self._queued_writer(slot.fd, plan)
+            if gate is not None:
+                if on_conflict is not None:
+                    on_conflict(gate)
+                    on_conflict = None
+                if not _poll(functools.partial(self._no_queued_writer, slot.fd, plan), deadline):
+                    return False
+        try:
+            deque(map(slot.setlk, plan.requests), 0)  # uncontended: every run in one C-level pass
+            return True
+        except OSError as exc:
+            if not ofd.is_contention(exc):
+                raise
+        return self._wait_for_runs(slot, plan, claim, deadline, on_conflict)
+
+    def _wait_for_runs(
+        self, slot: _Slot, plan: _Plan, claim: Claim, deadline: float | None, on_conflict: OnConflict | None
+    ) -> bool:
+        """Take the runs in ascending order, waiting where one is held (runs already held re-lock at once)."""
+        setlk = slot.setlk
+        holder, exclusive = claim.holder, claim.exclusive
+        for request, start, length in zip(plan.requests, plan.starts, plan.lengths):
+            if _attempt(setlk, request):
+                continue
+            if on_conflict is not None:
+                kind = fcntl.F_WRLCK if exclusive else fcntl.F_RDLCK
+                on_conflict(self._holder_of(slot.fd, kind, start, length))
+                on_conflict = None
+            if exclusive:
+                # Queue at the turnstile: readers arriving from now on wait behind this writer.
+                gate = ofd.pack(fcntl.F_WRLCK, self.num_blocks + start, length)
+                if not _poll(functools.partial(_attempt, setlk, gate), deadline):
+                    return False
+                self._holders.stamp([self.num_blocks + start], self._holders.code(holder))
+            if not _poll(functools.partial(_attempt, setlk, request), deadline):
+                return False
+            if exclusive:
+                setlk(ofd.pack(fcntl.F_UNLCK, self.num_blocks + start, length))
+        return True
+
+    def _queued_writer(self, fd: int, plan: _Plan) -> str | None:
+        """The holder of a writer queued at the turnstile over the plan's span, or None if there is none."""
+        span_start = plan.starts[0]
+        span = plan.starts[-1] + plan.lengths[-1] - span_start
+        found = ofd.conflict(fd, fcntl.F_RDLCK, self.num_blocks + span_start, span)
+        return None if found is None else self._holders.holder_at(found.start)
+
+    def _no_queued_writer(self, fd: int, plan: _Plan) -> bool:
+        return self._queued_writer(fd, plan) is None
+
+    def _holder_of(self, fd: int, kind: int, start: int, length: int) -> str:
+        """Who holds (some of) [start, start + length): the stamp where the kernel's conflict starts."""
+        found = ofd.conflict(fd, kind, start, length)
+        return UNKNOWN_HOLDER if found is None else self._holders.holder_at(found.start)
+
+    # --- lifetime ------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close every descriptor (which drops any range still claimed through this lock). Idempotent."""
+        _LOCKS.discard(self)
+        self._fd = -1
+        self._pool.clear()
+        self._finalizer()
+
+    def _forget_parent_claims(self) -> None:
+        """In a forked child: the pooled descriptions are the parent's, and so are the ranges on them.
+
+        The child must neither use them (its claims would merge with the parent's) nor unlock them (an
+        undo step copied from the parent would free the parent's claim). Each inherited descriptor number is
+        pointed at /dev/null, where such an undo unlocks nothing, and the child starts an empty pool.
+        """
+        devnull = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            for slot in self._slots:
+                os.dup2(devnull, slot.fd, inheritable=False)
+        finally:
+            os.close(devnull)
+        self._start_process_state()
+
+    def __repr__(self) -> str:
+        return f"BlockLock({self.name!r}, {self.num_blocks}, path={self.path!r})"
+
+
+class BlockClaim:
+    """`with lock.claim(blocks):` for code outside kvobs's guards; the claim's undo steps live here."""
+
+    def __init__(self, lock: BlockLock, claim: Claim, timeout: float | None) -> None:
+        self.lock = lock
+        self.claim = claim
+        self.timeout = timeout
+        self._held: Held = deque()
+
+    def __enter__(self) -> BlockClaim:
+        if not self.lock.acquire_into(self._held, self.claim, self.timeout):
+            raise LockTimeout(self.lock.name, self.timeout or 0.0, self.claim.holder)
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.release()
+
+    def release(self) -> None:
+        """Release the blocks (from any thread); a no-op once released."""
+        release_now(self._held)
+
+
+def _attempt(setlk: functools.partial[Any], request: bytes) -> bool:
+    """One non-blocking ``F_OFD_SETLK``: True when granted, False when someone else holds the range."""
+    try:
+        setlk(request)
+        return True
+    except OSError as exc:
+        if ofd.is_contention(exc):
+            return False
+        raise
+
+
+def _poll(attempt: functools.partial[bool], deadline: float | None) -> bool:
+    """Retry `attempt` with exponential back-off until it succeeds (True) or the deadline passes (False).
+
+    A blocking ``F_OFD_SETLKW`` could not honour a deadline, and could not be interrupted cleanly.
+    """
+    pause = _FIRST_PAUSE_S
+    while not attempt():
+        if deadline is None:
+            time.sleep(pause)
+        else:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            time.sleep(min(pause, remaining))
+        pause = min(pause * 2, _MAX_PAUSE_S)
+    return True
+
+
+def _undo_newest(held: Held, count: int) -> None:
+    """Run and drop the `count` newest undo steps, in one C call: the rest of `held` is left as it was."""
+    deque(map(_CALL, map(_POPLEFT, repeat(held, count))), 0)
+
+
+def _close_all(fds: list[int], holders: HolderTable) -> None:
+    holders.close()
+    while fds:
+        os.close(fds.pop())
+
+
+def _after_fork_in_child() -> None:
+    for lock in list(_LOCKS):
+        lock._forget_parent_claims()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,0 +1,453 @@
+"""BlockLock in one process: claim semantics, the kernel struct, telemetry, with real threads and files."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import pickle
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvobs import ofd
+from kvobs.atomic import release_now
+from kvobs.block_lock import BlockLock
+from kvobs.errors import LockTimeout
+from kvobs.lockfile import UnsafeLockFile
+from kvobs.locks import CacheLock, Claim
+
+NUM_BLOCKS = 256
+
+
+@pytest.fixture
+def lock(tmp_path: Path) -> Any:
+    block_lock = BlockLock("kv", NUM_BLOCKS, directory=tmp_path)
+    yield block_lock
+    block_lock.close()
+
+
+def claim(lock: BlockLock, blocks: tuple[int, ...], exclusive: bool = True, holder: str = "prefetch",
+          timeout: float | None = 0, conflicts: list[str] | None = None) -> deque[Any] | None:
+    """The claim's undo deque when granted, None when refused."""
+    held: deque[Any] = deque()
+    on_conflict = conflicts.append if conflicts is not None else None
+    return held if lock.acquire_into(held, Claim(holder, blocks, exclusive), timeout, on_conflict) else None
+
+
+def idle(lock: BlockLock) -> bool:
+    """Nothing claimed in this process: no record, every description back in the pool exactly once."""
+    return not lock._active and len(lock._pool) == len(set(map(id, lock._pool))) == len(lock._slots)
+
+
+# --- the kernel's struct flock ---------------------------------------------------------------------------
+
+
+def test_flock_layout_matches_the_kernel(tmp_path: Path) -> None:
+    """A classic lock taken by fcntl.lockf (which packs struct flock in C) reads back field by field."""
+    path = tmp_path / "layout"
+    first = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    second = os.open(path, os.O_RDWR)
+    try:
+        fcntl.lockf(first, fcntl.LOCK_EX | fcntl.LOCK_NB, 3, 5)  # bytes [5, 8)
+        raw = fcntl.fcntl(second, ofd.F_OFD_GETLK, ofd.pack(fcntl.F_WRLCK, 0, 100))
+        assert ofd.FLOCK.size == len(raw) == 32
+        assert ofd.FLOCK.unpack(raw) == (fcntl.F_WRLCK, os.SEEK_SET, 5, 3, os.getpid())
+        fcntl.lockf(first, fcntl.LOCK_UN, 3, 5)
+        fcntl.lockf(first, fcntl.LOCK_SH | fcntl.LOCK_NB, 2, 40)
+        assert ofd.conflict(second, fcntl.F_WRLCK, 0, 100) == ofd.Conflict(False, 40, 2)
+        assert ofd.conflict(second, fcntl.F_RDLCK, 0, 100) is None  # shared does not conflict with shared
+        fcntl.lockf(first, fcntl.LOCK_UN, 2, 40)
+
+        # The other way round: an OFD lock packed here is where lockf finds it.
+        fcntl.fcntl(second, ofd.F_OFD_SETLK, ofd.pack(fcntl.F_WRLCK, 10, 2))
+        with pytest.raises(OSError) as caught:
+            fcntl.lockf(first, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 11)
+        assert caught.value.errno in (errno.EAGAIN, errno.EACCES)
+        fcntl.lockf(first, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 12)
+        fcntl.lockf(first, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 9)
+        fcntl.lockf(first, fcntl.LOCK_UN, 0, 0)
+        fcntl.fcntl(second, ofd.F_OFD_SETLK, ofd.UNLOCK_ALL)
+
+        # l_pid sits where the kernel reads it: OFD requests must carry 0 there.
+        with pytest.raises(OSError) as caught:
+            fcntl.fcntl(second, ofd.F_OFD_SETLK, ofd.FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 1, 1))
+        assert caught.value.errno == errno.EINVAL
+    finally:
+        os.close(first)
+        os.close(second)
+
+
+# --- claim semantics -------------------------------------------------------------------------------------
+
+
+def test_is_a_cache_lock(lock: BlockLock) -> None:
+    assert isinstance(lock, CacheLock) and lock.name == "kv" and lock.num_blocks == NUM_BLOCKS
+
+
+def test_shared_claims_share_and_exclude_writers(lock: BlockLock) -> None:
+    first = claim(lock, (1, 2, 3), exclusive=False, holder="write_back")
+    second = claim(lock, (2, 3, 4), exclusive=False, holder="send")
+    assert first is not None and second is not None
+    conflicts: list[str] = []
+    assert claim(lock, (3,), conflicts=conflicts) is None
+    assert conflicts in (["write_back"], ["send"])
+    assert claim(lock, (4, 5)) is None  # 4 is still shared by `second`
+    assert (exclusive := claim(lock, (5, 6))) is not None
+    assert claim(lock, (6,), exclusive=False) is None  # a reader waits for a writer too
+    for held in (first, second, exclusive):
+        release_now(held)
+    assert idle(lock)
+    assert (everything := claim(lock, ())) is not None
+    release_now(everything)
+
+
+def test_disjoint_exclusive_claims_interleave_block_by_block(lock: BlockLock) -> None:
+    evens = claim(lock, tuple(range(0, 64, 2)))
+    odds = claim(lock, tuple(range(1, 64, 2)))
+    assert evens is not None and odds is not None
+    assert lock.blocks_claimed() == {"shared": 0, "exclusive": 64}
+    release_now(evens)
+    release_now(odds)
+
+
+def test_whole_cache_claims(lock: BlockLock) -> None:
+    reader = claim(lock, (), exclusive=False)
+    assert reader is not None
+    assert lock.blocks_claimed() == {"shared": NUM_BLOCKS, "exclusive": 0}
+    assert claim(lock, (NUM_BLOCKS - 1,)) is None
+    assert (other_reader := claim(lock, (7, 8), exclusive=False)) is not None
+    release_now(reader)
+    release_now(other_reader)
+    writer = claim(lock, ())
+    assert writer is not None and claim(lock, (0,), exclusive=False) is None
+    release_now(writer)
+    assert idle(lock)
+
+
+def test_timeout_leaves_nothing_claimed_and_held_as_it_was(lock: BlockLock) -> None:
+    blocker = claim(lock, (50,), holder="write_back")
+    assert blocker is not None
+    sentinel = object()
+    held: deque[Any] = deque([sentinel])
+    wanted = Claim("prefetch", (*range(1, 11), 50, *range(60, 71)))
+    started = time.monotonic()
+    assert lock.acquire_into(held, wanted, 0.05) is False
+    assert time.monotonic() - started >= 0.05
+    assert list(held) == [sentinel]
+    # Runs 1..10 were taken before the wait at 50 and 50's turnstile while waiting: all released.
+    assert (left := claim(lock, tuple(range(1, 11)))) is not None
+    assert (right := claim(lock, tuple(range(60, 71)))) is not None
+    release_now(blocker)
+    assert (reader := claim(lock, (50,), exclusive=False)) is not None  # no queued writer left behind
+    for undo in (left, right, reader):
+        release_now(undo)
+    assert idle(lock) and lock.held_for() == 0.0
+
+
+def test_zero_timeout_tries_once(lock: BlockLock) -> None:
+    blocker = claim(lock, (9,))
+    assert blocker is not None
+    started = time.monotonic()
+    assert claim(lock, (9,), timeout=0) is None
+    assert claim(lock, (9,), timeout=-1.0) is None
+    assert time.monotonic() - started < 0.5
+    release_now(blocker)
+    assert (granted := claim(lock, (9,), timeout=-1.0)) is not None  # an expired deadline still tries once
+    release_now(granted)
+
+
+def test_waiting_claim_gets_the_blocks_when_released(lock: BlockLock) -> None:
+    blocker = claim(lock, (3, 4), exclusive=False)
+    assert blocker is not None
+    timer = threading.Timer(0.05, release_now, args=(blocker,))
+    timer.start()
+    got = claim(lock, (4, 5), timeout=10)
+    timer.join()
+    assert got is not None
+    release_now(got)
+
+
+def test_release_from_another_thread(lock: BlockLock) -> None:
+    helds: list[deque[Any]] = []
+    taker = threading.Thread(target=lambda: helds.append(claim(lock, (1, 2, 3, 100))))  # type: ignore[arg-type]
+    taker.start()
+    taker.join(timeout=10)
+    assert helds and helds[0] is not None
+    releaser = threading.Thread(target=release_now, args=(helds[0],))
+    releaser.start()
+    releaser.join(timeout=10)
+    assert idle(lock)
+    assert (again := claim(lock, (1, 2, 3, 100))) is not None
+    release_now(again)
+
+
+def test_claims_of_one_thread_exclude_each_other(lock: BlockLock) -> None:
+    """Every claim has its own open file description: OFD locks of one description would merge."""
+    first = claim(lock, (10,))
+    assert first is not None and claim(lock, (10,)) is None
+    assert len(lock._slots) == 2
+    release_now(first)
+
+
+def test_held_for_and_blocks_claimed(lock: BlockLock) -> None:
+    assert lock.held_for() == 0.0 and lock.blocks_claimed() == {"shared": 0, "exclusive": 0}
+    old = claim(lock, (1, 2), exclusive=False)
+    time.sleep(0.02)
+    new = claim(lock, (2, 3, 4), exclusive=False)
+    writer = claim(lock, tuple(range(10, 20)))
+    assert old is not None and new is not None and writer is not None
+    assert lock.held_for() >= 0.02
+    assert lock.blocks_claimed() == {"shared": 5, "exclusive": 10}
+    release_now(old)
+    assert lock.held_for() < 0.02
+    release_now(new)
+    release_now(writer)
+    assert lock.held_for() == 0.0 and lock.blocks_claimed() == {"shared": 0, "exclusive": 0}
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "expected"),
+    [
+        (Claim("x", (1, 2), True), Claim("y", (2, 3), True), True),
+        (Claim("x", (1, 2), True), Claim("y", (3, 4), True), False),
+        (Claim("x", (1, 2), False), Claim("y", (1, 2), False), False),
+        (Claim("x", (1, 2), False), Claim("y", (2,), True), True),
+        (Claim("x", (), False), Claim("y", (9,), True), True),
+        (Claim("x", (), False), Claim("y", (), False), False),
+        (Claim("x", (5,), True), Claim("y", (), True), True),
+    ],
+)
+def test_overlaps(lock: BlockLock, a: Claim, b: Claim, expected: bool) -> None:
+    assert lock.overlaps(a, b) is expected and lock.overlaps(b, a) is expected
+
+
+@pytest.mark.parametrize(
+    ("blocks", "message"),
+    [
+        ((3, 2), "sorted and distinct"),
+        ((1, 2, 2, 3), "sorted and distinct"),
+        ((-1, 0), "from 0 to 255"),
+        ((0, NUM_BLOCKS), "from 0 to 255"),
+        ((0.0,), "must be ints"),
+    ],
+)
+def test_bad_block_ids_are_refused_before_anything_is_taken(
+    lock: BlockLock, blocks: tuple[Any, ...], message: str
+) -> None:
+    held: deque[Any] = deque()
+    with pytest.raises(ValueError, match=message):
+        lock.acquire_into(held, Claim("prefetch", blocks), 0)
+    assert not held and idle(lock)
+
+
+# --- who held the blocks ---------------------------------------------------------------------------------
+
+
+def test_conflict_names_the_holder_once_per_wait(lock: BlockLock) -> None:
+    blocker = claim(lock, tuple(range(10, 21)), exclusive=False, holder="write_back")
+    assert blocker is not None
+    conflicts: list[str] = []
+    assert claim(lock, (5, 15), timeout=0.05, conflicts=conflicts) is None  # polled many times
+    assert conflicts == ["write_back"]
+    conflicts.clear()
+    assert (granted := claim(lock, (5, 6), timeout=0.05, conflicts=conflicts)) is not None
+    assert conflicts == []  # no wait, no report
+    release_now(granted)
+    release_now(blocker)
+
+
+def test_custom_holder_names_are_shared_through_the_file(lock: BlockLock, tmp_path: Path) -> None:
+    other_view = BlockLock.attach("kv", NUM_BLOCKS, directory=tmp_path)  # as another process would
+    blocker = claim(lock, (42,), holder="my-storage-flush")
+    assert blocker is not None
+    conflicts: list[str] = []
+    assert claim(other_view, (40, 41, 42), conflicts=conflicts) is None
+    assert conflicts == ["my-storage-flush"]
+    release_now(blocker)
+    other_view.close()
+
+
+def test_a_reader_waits_behind_a_queued_writer_and_names_it(lock: BlockLock) -> None:
+    """Writer preference: once a writer waits for readers, a new reader waits for the writer."""
+    reader = claim(lock, (7, 8), exclusive=False, holder="send")
+    assert reader is not None
+    writer_result: list[deque[Any] | None] = []
+    writer = threading.Thread(target=lambda: writer_result.append(claim(lock, (8,), holder="forward", timeout=10)))
+    writer.start()
+    conflicts: list[str] = []
+    deadline = time.monotonic() + 10
+    while not conflicts and time.monotonic() < deadline:  # until the writer has queued at the turnstile
+        assert claim(lock, (8,), exclusive=False, holder="write_back", conflicts=conflicts) is None
+        time.sleep(0.005)
+    assert conflicts == ["forward"]
+    assert (elsewhere := claim(lock, (7,), exclusive=False)) is not None  # only the writer's blocks queue
+    release_now(elsewhere)
+    release_now(reader)
+    writer.join(timeout=10)
+    assert writer_result and writer_result[0] is not None
+    release_now(writer_result[0])
+
+
+def test_writer_is_not_starved_by_a_stream_of_readers(lock: BlockLock) -> None:
+    """Readers overlap so that the blocks are never free of readers: without writer preference a writer
+    would never find a gap. With it, the readers inside drain and new ones queue behind the writer."""
+    stop = threading.Event()
+    reader_turns = [0]
+    errors: list[BaseException] = []
+
+    def read_forever() -> None:
+        try:
+            while not stop.is_set():
+                held = claim(lock, (20, 21, 22), exclusive=False, holder="send", timeout=10)
+                if held is None:
+                    continue
+                reader_turns[0] += 1
+                time.sleep(0.002)
+                release_now(held)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            errors.append(exc)
+
+    readers = [threading.Thread(target=read_forever) for _ in range(4)]
+    for thread in readers:
+        thread.start()
+        time.sleep(0.0005)  # staggered: at every instant some reader is inside
+    try:
+        time.sleep(0.05)
+        turns_before = reader_turns[0]
+        writer = claim(lock, (21,), holder="forward", timeout=20)
+        turns_during = reader_turns[0] - turns_before
+        if writer is not None:
+            release_now(writer)
+    finally:
+        stop.set()
+        for thread in readers:
+            thread.join(timeout=30)
+    assert not errors
+    assert writer is not None, "the writer starved behind the readers"
+    assert turns_during < 200  # the readers inside finish; a bounded few more got in first
+
+
+def _hammer(lock: BlockLock, inside: list[int], overlaps: list[int], rounds: int, seed: int) -> None:
+    import random
+
+    rng = random.Random(seed)
+    for _ in range(rounds):
+        blocks = tuple(sorted(rng.sample(range(16), rng.randint(1, 4))))
+        exclusive = rng.random() < 0.5
+        held = claim(lock, blocks, exclusive=exclusive, timeout=10)
+        assert held is not None
+        for block in blocks:
+            if exclusive:
+                if inside[block] != 0:
+                    overlaps[0] += 1
+                inside[block] = -1
+            else:
+                if inside[block] < 0:
+                    overlaps[0] += 1
+        time.sleep(0)
+        for block in blocks:
+            if exclusive:
+                inside[block] = 0
+        release_now(held)
+
+
+def test_threads_never_overlap_and_never_deadlock(lock: BlockLock) -> None:
+    """Random multi-run claims from 4 threads, each holding runs while waiting for later ones."""
+    inside = [0] * 16
+    overlaps = [0]
+    threads = [threading.Thread(target=_hammer, args=(lock, inside, overlaps, 400, seed)) for seed in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+        assert not thread.is_alive(), "deadlock"
+    assert overlaps == [0]
+    assert idle(lock)
+
+
+# --- the lock file and lifetime -------------------------------------------------------------------------
+
+
+def test_direct_claim_context_manager(lock: BlockLock) -> None:
+    with lock.claim([1, 2, 3], exclusive=False, holder="send") as held_claim:
+        assert lock.blocks_claimed() == {"shared": 3, "exclusive": 0}
+        with pytest.raises(LockTimeout, match="'kv'"):
+            with lock.claim([3], timeout=0.01):
+                pytest.fail("entered blocks another claim holds")
+        held_claim.release()  # released early (any thread may); leaving the block is then a no-op
+        assert lock.blocks_claimed() == {"shared": 0, "exclusive": 0}
+    assert idle(lock)
+
+
+def test_num_blocks_must_match_the_file(lock: BlockLock, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=f"created for {NUM_BLOCKS} blocks, not 100"):
+        BlockLock("kv", 100, directory=tmp_path)
+
+
+@pytest.mark.parametrize("num_blocks", [0, -1, True, 2.0, "8", 1 << 41])
+def test_invalid_num_blocks(tmp_path: Path, num_blocks: Any) -> None:
+    with pytest.raises(ValueError, match="num_blocks"):
+        BlockLock("kv", num_blocks, directory=tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_attach_never_creates(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="create it first"):
+        BlockLock.attach("kv", 8, directory=tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_foreign_file_at_the_path_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "kvobs-kv.blocks"
+    path.write_bytes(b"not a block lock file")
+    path.chmod(0o600)
+    with pytest.raises(ValueError, match="not a kvobs block lock file"):
+        BlockLock("kv", 8, directory=tmp_path)
+
+
+def test_planted_lock_file_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "kvobs-kv.blocks"
+    path.touch()
+    path.chmod(0o666)
+    with pytest.raises(UnsafeLockFile, match="mode 0666"):
+        BlockLock("kv", 8, directory=tmp_path)
+    target = tmp_path / "target"
+    target.touch(mode=0o600)
+    path.unlink()
+    path.symlink_to(target)
+    with pytest.raises(UnsafeLockFile, match="symlink"):
+        BlockLock("kv", 8, directory=tmp_path)
+
+
+def test_too_long_name_is_a_value_error(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="longer than the"):
+        BlockLock("k" * 300, 8, directory=tmp_path)
+
+
+def test_pickles_by_attaching(lock: BlockLock) -> None:
+    copy = pickle.loads(pickle.dumps(lock))
+    assert (copy.name, copy.num_blocks, copy.path) == (lock.name, lock.num_blocks, lock.path)
+    held = claim(lock, (1,))
+    assert held is not None and claim(copy, (1,)) is None
+    release_now(held)
+    copy.close()
+    assert repr(lock) == f"BlockLock('kv', {NUM_BLOCKS}, path={lock.path!r})"
+
+
+def test_close_drops_claims_and_refuses_new_ones(tmp_path: Path) -> None:
+    first = BlockLock("kv", 8, directory=tmp_path)
+    second = BlockLock.attach("kv", 8, directory=tmp_path)
+    assert claim(first, (1,)) is not None
+    assert claim(second, (1,)) is None
+    first.close()
+    first.close()
+    assert (held := claim(second, (1,))) is not None  # closing the descriptions dropped the ranges
+    release_now(held)
+    with pytest.raises(ValueError, match="closed"):
+        claim(first, (1,))
+    second.close()

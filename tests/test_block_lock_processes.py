@@ -1,0 +1,234 @@
+"""BlockLock across real processes: forked, spawned and separate interpreters, SIGKILL included."""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvobs.atomic import release_now
+from kvobs.block_lock import BlockLock
+from kvobs.locks import Claim
+
+REPO = Path(__file__).resolve().parents[1]
+BLOCKS = 32
+
+HOLDER = """
+import sys, time
+from collections import deque
+from kvobs.block_lock import BlockLock
+from kvobs.locks import Claim
+name, directory, holder, exclusive, *blocks = sys.argv[1:]
+lock = BlockLock(name, 32, directory=directory)
+held = deque()
+if not lock.acquire_into(held, Claim(holder, tuple(map(int, blocks)), exclusive == "1"), 10):
+    sys.exit(3)
+print("held", flush=True)
+time.sleep(60)
+"""
+
+
+@contextlib.contextmanager
+def holder_process(
+    directory: Path, blocks: tuple[int, ...], exclusive: bool = True, holder: str = "prefetch"
+) -> Iterator[subprocess.Popen[str]]:
+    """A separate interpreter that claims `blocks`, says so, then sleeps until killed."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    args = [sys.executable, "-c", HOLDER, "kv", str(directory), holder, "1" if exclusive else "0"]
+    proc = subprocess.Popen([*args, *map(str, blocks)], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "held"
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+        assert proc.stdout is not None
+        proc.stdout.close()
+
+
+def try_claim(lock: BlockLock, blocks: tuple[int, ...], exclusive: bool = True, timeout: float = 0,
+              conflicts: list[str] | None = None) -> deque[Any] | None:
+    held: deque[Any] = deque()
+    on_conflict = conflicts.append if conflicts is not None else None
+    return held if lock.acquire_into(held, Claim("test", blocks, exclusive), timeout, on_conflict) else None
+
+
+@pytest.mark.parametrize("exclusive", [True, False], ids=["exclusive", "shared"])
+def test_sigkilled_holder_frees_its_blocks(tmp_path: Path, exclusive: bool) -> None:
+    lock = BlockLock("kv", BLOCKS, directory=tmp_path)
+    with holder_process(tmp_path, (4, 5, 6, 20), exclusive, holder="write_back") as proc:
+        conflicts: list[str] = []
+        assert try_claim(lock, (6, 7), conflicts=conflicts) is None
+        assert conflicts == ["write_back"]  # the holder's path, read across processes
+        assert (beside := try_claim(lock, (7, 8, 19, 21))) is not None  # blocks beside the claim are free
+        release_now(beside)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        assert (after := try_claim(lock, (4, 5, 6, 20), timeout=10)) is not None
+        release_now(after)
+    lock.close()
+
+
+def _count_under_claims(
+    lock: BlockLock, row: int, writer_inside: Any, readers_inside: Any, counts: Any, overlaps: Any,
+    exclusive_claims: Any, rounds: int,
+) -> None:
+    """Random claims; writers bump a per-block counter with a read-modify-write that only exclusion keeps
+    exact, and every holder checks that no conflicting holder is inside its blocks."""
+    rng = random.Random(row)
+    for _ in range(rounds):
+        blocks = tuple(sorted(rng.sample(range(BLOCKS), rng.randint(1, 6))))
+        exclusive = rng.random() < 0.5
+        held = try_claim(lock, blocks, exclusive, timeout=30)
+        assert held is not None
+        for block in blocks:
+            if writer_inside[block]:
+                overlaps.value += 1
+            if exclusive:
+                if any(readers_inside[r * BLOCKS + block] for r in range(4)):
+                    overlaps.value += 1
+                writer_inside[block] = 1
+            else:
+                readers_inside[row * BLOCKS + block] = 1
+        time.sleep(0)
+        for block in blocks:
+            if exclusive:
+                value = counts[block]
+                time.sleep(0)
+                counts[block] = value + 1
+                exclusive_claims[row * BLOCKS + block] += 1
+                writer_inside[block] = 0
+            else:
+                readers_inside[row * BLOCKS + block] = 0
+        release_now(held)
+
+
+def _spawned_worker(lock: BlockLock, *args: Any) -> None:
+    _count_under_claims(lock, *args)
+
+
+def test_overlapping_and_disjoint_claims_across_processes(tmp_path: Path) -> None:
+    """Two forked processes, one spawned and the parent: 0 overlaps, every read-modify-write kept."""
+    fork, spawn = multiprocessing.get_context("fork"), multiprocessing.get_context("spawn")
+    lock = BlockLock("kv", BLOCKS, directory=tmp_path)  # opened before fork: children get their own pools
+    writer_inside = fork.Array("b", BLOCKS, lock=False)
+    readers_inside = fork.Array("b", 4 * BLOCKS, lock=False)
+    counts = fork.Array("i", BLOCKS, lock=False)
+    exclusive_claims = fork.Array("i", 4 * BLOCKS, lock=False)
+    overlaps = fork.Value("i", 0, lock=False)
+    rounds = 300
+    shared = (writer_inside, readers_inside, counts, overlaps, exclusive_claims, rounds)
+    procs = [fork.Process(target=_count_under_claims, args=(lock, row, *shared)) for row in (1, 2)]
+    procs.append(spawn.Process(target=_spawned_worker, args=(lock, 3, *shared)))
+    for proc in procs:
+        proc.start()
+    _count_under_claims(lock, 0, *shared)
+    for proc in procs:
+        proc.join(timeout=120)
+        assert proc.exitcode == 0
+    assert overlaps.value == 0
+    expected = [sum(exclusive_claims[row * BLOCKS + block] for row in range(4)) for block in range(BLOCKS)]
+    assert list(counts) == expected and sum(expected) > 0
+
+
+def _child_of_holder(lock: BlockLock, inherited: deque[Any], results: Any, released: Any) -> None:
+    results.put(("inherited", lock.blocks_claimed(), lock.held_for()))
+    results.put(("while parent holds", try_claim(lock, (3,), timeout=0.1) is not None))
+    release_now(inherited)  # an undo copied from the parent must not free the parent's claim
+    results.put(("after undoing the copy", try_claim(lock, (3,), timeout=0.1) is not None))
+    released.wait(30)
+    held = try_claim(lock, (3,), timeout=10)
+    results.put(("after parent released", held is not None))
+
+
+def test_claim_held_at_fork_stays_the_parents(tmp_path: Path) -> None:
+    ctx = multiprocessing.get_context("fork")
+    lock = BlockLock("kv", BLOCKS, directory=tmp_path)
+    results, released = ctx.Queue(), ctx.Event()
+    held = try_claim(lock, (2, 3, 4))
+    assert held is not None
+    proc = ctx.Process(target=_child_of_holder, args=(lock, held, results, released))
+    proc.start()
+    try:
+        assert results.get(timeout=30) == ("inherited", {"shared": 0, "exclusive": 0}, 0.0)
+        assert results.get(timeout=30) == ("while parent holds", False)
+        assert results.get(timeout=30) == ("after undoing the copy", False)
+        assert lock.blocks_claimed() == {"shared": 0, "exclusive": 3}
+        release_now(held)
+        released.set()
+        assert results.get(timeout=30) == ("after parent released", True)
+    finally:
+        released.set()
+        proc.join(timeout=30)
+    assert proc.exitcode == 0
+    # The child exited holding block 3: the kernel dropped its range.
+    assert (again := try_claim(lock, (3,), timeout=10)) is not None
+    release_now(again)
+
+
+def _spawned_claimer(lock: BlockLock, results: Any, go: Any) -> None:
+    results.put((lock.path, try_claim(lock, (1,)) is not None))
+    go.wait(30)
+    results.put(try_claim(lock, (1,), timeout=10) is not None)
+
+
+def test_spawned_worker_attaches_and_excludes_the_parent(tmp_path: Path) -> None:
+    ctx = multiprocessing.get_context("spawn")
+    lock = BlockLock("kv", BLOCKS, directory=tmp_path)
+    results, go = ctx.Queue(), ctx.Event()
+    held = try_claim(lock, (1,))
+    assert held is not None
+    proc = ctx.Process(target=_spawned_claimer, args=(lock, results, go))
+    proc.start()
+    try:
+        assert results.get(timeout=60) == (lock.path, False)
+        release_now(held)
+        go.set()
+        assert results.get(timeout=30) is True
+    finally:
+        go.set()
+        proc.join(timeout=30)
+    assert proc.exitcode == 0
+
+
+def _read_forever(lock: BlockLock, stop: Any, turns: Any) -> None:
+    while not stop.is_set():
+        held = try_claim(lock, (9, 10), exclusive=False, timeout=10)
+        if held is not None:
+            turns.value += 1
+            time.sleep(0.002)
+            release_now(held)
+
+
+def test_writer_is_not_starved_by_readers_in_other_processes(tmp_path: Path) -> None:
+    ctx = multiprocessing.get_context("fork")
+    lock = BlockLock("kv", BLOCKS, directory=tmp_path)
+    stop, turns = ctx.Event(), ctx.Value("i", 0)
+    readers = [ctx.Process(target=_read_forever, args=(lock, stop, turns)) for _ in range(3)]
+    for proc in readers:
+        proc.start()
+    try:
+        deadline = time.monotonic() + 30
+        while turns.value < 30 and time.monotonic() < deadline:  # the stream is flowing
+            time.sleep(0.01)
+        writer = try_claim(lock, (10,), timeout=20)
+        if writer is not None:
+            release_now(writer)
+    finally:
+        stop.set()
+        for proc in readers:
+            proc.join(timeout=30)
+    assert writer is not None, "the writer starved behind readers in other processes"
+    assert all(proc.exitcode == 0 for proc in readers)
