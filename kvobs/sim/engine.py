@@ -73,6 +73,9 @@ class SimEngine:
             tracer_provider=tracer_provider, logger=logger if logger is not None else _NullLogger(),
             capacity=c.num_blocks, block_bytes=self.cache.block_bytes, block_dim=0, integrity=c.run.integrity,
         )
+        # Warm up: the first NaN check in a process may compile its kernel (a second or more). Paid here, before
+        # the run's clock starts, it cannot stall the first transfers of a short run (as a real engine's warm-up).
+        kvobs.check_blocks(self.cache.data, [0], block_dim=0)
         self.storage = StorageCache(c.storage_capacity)
         self.signals = self._signal_route()
         self.thread_error: BaseException | None = None
