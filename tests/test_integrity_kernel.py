@@ -61,6 +61,25 @@ def test_every_bit_pattern_is_classified_exactly(dtype):
         expect(check_blocks(cache, range(cache.shape[0]), method=method), nan, inf)
 
 
+@pytest.mark.parametrize("dtype", EVERY_FORMAT, ids=str)
+def test_lane_test_flags_exactly_the_words_holding_a_non_finite_value(dtype):
+    """The fast test alone (no exact second pass): a 64-bit word is flagged iff one of its values is NaN or
+    Inf, so clean data never pays for the second pass and bad data never slips through."""
+    from kvobs.integrity.bits import lane_test
+    from kvobs.integrity.kernel_numba import _lane_test
+
+    values = patterns(dtype)
+    per_word = 8 // values.element_size()
+    values = values[: values.numel() // per_word * per_word]
+    wide = values.float() if values.element_size() == 1 else values.double()
+    expected = (~wide.isfinite()).view(-1, per_word).any(1).tolist()
+    words = values.view(torch.int64).numpy().view(np.uint64)
+    test = np.array(lane_test(non_finite_bits(dtype)), dtype=np.uint64)
+    top = np.uint64(test[4])
+    flagged = [bool(_lane_test(words[i : i + 1], test, np.uint64(0)) & top) for i in range(words.shape[0])]
+    assert flagged == expected
+
+
 def test_bit_rules_cover_every_floating_format_torch_has():
     names = {n for n in dir(torch) if isinstance(getattr(torch, n), torch.dtype) and getattr(torch, n).is_floating_point}
     for name in names - {"float4_e2m1fn_x2", "half", "float", "double"}:
@@ -68,12 +87,14 @@ def test_bit_rules_cover_every_floating_format_torch_has():
 
 
 def test_pieces_chunks_and_pairs_have_no_blind_spot():
-    """Findings at every edge of what the kernel walks: the first and last word of each 1024-word chunk, the
-    first and second piece of an interleaved pair, an odd last piece, and every piece of a split block."""
+    """Findings at every edge of what the kernel walks: the first and last value of each chunk of 64-bit
+    words, the values after the last whole word, the first and second piece of an interleaved pair, an odd
+    last piece, and every piece of a block split into several."""
     from kvobs.integrity.kernel_numba import CHUNK
 
-    length = 3 * CHUNK + 5
-    offsets = [0, 1, CHUNK - 1, CHUNK, 2 * CHUNK - 1, 2 * CHUNK, 3 * CHUNK, length - 1]
+    step = CHUNK * 4  # bf16 values per chunk of 64-bit words
+    length = 2 * step + 7  # 3 values past the last whole word
+    offsets = [0, 1, step - 1, step, 2 * step - 1, 2 * step, length - 4, length - 3, length - 1]
     for num_ids in (1, 2, 3, 4):  # an odd count leaves a piece paired with itself
         for position in range(num_ids):
             for offset in offsets:
@@ -81,10 +102,10 @@ def test_pieces_chunks_and_pairs_have_no_blind_spot():
                 ids = [1, 3, 4, 6][:num_ids]
                 cache[ids[position], offset] = float("nan")
                 expect(check_blocks(cache, ids, method="kernel"), nan={ids[position]})
-    split = torch.ones(3, 8, 2 * CHUNK + 1, dtype=torch.float16)  # [segments, blocks, words]: 3 pieces per block
+    split = torch.ones(3, 8, step + 1, dtype=torch.float16)  # [segments, blocks, values]: 3 pieces per block
     assert validate_cache(split, block_dim=1).plans[0].segments.shape[0] == 3
     for segment in range(3):
-        for offset in (0, CHUNK, 2 * CHUNK):
+        for offset in (0, step - 1, step):
             cache = split.clone()
             cache[segment, 5, offset] = -float("inf")
             expect(check_blocks(cache, [2, 5, 7], block_dim=1, method="kernel"), inf={5})

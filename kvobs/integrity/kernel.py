@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from kvobs.integrity.bits import NonFiniteBits, non_finite_bits
+from kvobs.integrity.bits import NonFiniteBits, lane_test, non_finite_bits
 
 _log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class KernelPlan:
     segments: np.ndarray  # int64 offsets of the contiguous pieces of one block, relative to its start
     length: int
     bits: NonFiniteBits
-    constants: tuple[Any, ...]  # mask, flip, bad_min, nan_min as scalars of the word type
+    constants: tuple[Any, ...]  # mask, flip, bad_min, nan_min as scalars of the word type, the lane test
 
     @property
     def block_bytes(self) -> int:
@@ -100,7 +100,9 @@ def plan(tensor: Any, block_dim: int) -> KernelPlan | None:
         return None
     word = words.dtype.type
     _load().ready(word)
-    constants = (word(bits.mask), word(bits.flip), word(bits.bad_min), word(bits.nan_min))
+    test = np.array(lane_test(bits), dtype=np.uint64)
+    test.flags.writeable = False
+    constants = (word(bits.mask), word(bits.flip), word(bits.bad_min), word(bits.nan_min), test)
     return KernelPlan(words, strides[block_dim], segments, length, bits, constants)
 
 
