@@ -7,12 +7,16 @@ from typing import Any
 from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from kvobs.telemetry.metrics import multiprocess_enabled
+from kvobs.telemetry.multiprocess import check_multiprocess_dir, multiprocess_enabled
 
 
 def scrape_registry(registry: CollectorRegistry | None = None) -> CollectorRegistry:
-    """The registry a scrape should read: every worker's files in multiprocess mode, else `registry`."""
+    """The registry a scrape should read: every worker's files in multiprocess mode, else `registry`.
+
+    A multiprocess directory that is missing or unreadable is a MultiprocessDirError naming the variable.
+    """
     if multiprocess_enabled():
+        check_multiprocess_dir(writable=False)
         aggregated = CollectorRegistry()
         MultiProcessCollector(aggregated)
         return aggregated

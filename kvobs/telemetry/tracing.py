@@ -6,6 +6,7 @@ kvobs skips span work entirely, so metrics-only users do not pay ~10 us per call
 
 from __future__ import annotations
 
+import math
 import os
 from time import monotonic
 from typing import Any
@@ -17,6 +18,9 @@ from kvobs import __version__
 
 INSTRUMENTATION_NAME = "kvobs"
 RECHECK_S = 1.0
+DEFAULT_EXPORT_TIMEOUT_S = 10.0
+_ENV_TRACES_TIMEOUT = "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT"
+_ENV_TIMEOUT = "OTEL_EXPORTER_OTLP_TIMEOUT"
 
 
 class TracerSource:
@@ -65,19 +69,48 @@ def configure_tracing(
     OTEL_TRACES_SAMPLER[_ARG] (sampler), OTEL_EXPORTER_OTLP[_TRACES]_ENDPOINT (endpoint) and
     OTEL_EXPORTER_OTLP[_TRACES]_PROTOCOL (`grpc`, the default, or `http/protobuf`), and
     OTEL_EXPORTER_OTLP[_TRACES]_TIMEOUT (`timeout`, seconds per export). Arguments win over them.
+
+    Every failed export is counted in kvobs_telemetry_errors_total{engine="", stage="export"} and logged once
+    per interval; shutting the provider down (at exit, too) takes at most about `timeout` seconds even when
+    the collector is unreachable.
     """
     from opentelemetry.sdk.resources import SERVICE_NAME, Resource
     from opentelemetry.sdk.trace import TracerProvider as SdkTracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
+    from kvobs.telemetry.export import BoundedBatchSpanProcessor, CountingSpanExporter
+    from kvobs.telemetry.metrics import process_failures
+
+    timeout_s = export_timeout(timeout)
     attributes = {SERVICE_NAME: service_name} if service_name else {}
     provider = SdkTracerProvider(resource=Resource.create(attributes))
     if exporter is None:
-        exporter = otlp_exporter(endpoint=endpoint, protocol=protocol, timeout=timeout)
-    provider.add_span_processor(BatchSpanProcessor(exporter))
+        exporter = otlp_exporter(endpoint=endpoint, protocol=protocol, timeout=timeout_s)
+    provider.add_span_processor(BoundedBatchSpanProcessor(CountingSpanExporter(exporter, process_failures()),
+                                                          timeout_s))
     if set_global:
         trace.set_tracer_provider(provider)
     return provider
+
+
+def export_timeout(timeout: float | None = None) -> float:
+    """Seconds allowed per export: `timeout`, else OTEL_EXPORTER_OTLP_TRACES_TIMEOUT, else
+    OTEL_EXPORTER_OTLP_TIMEOUT (seconds, as the Python OTLP exporters read them), else 10."""
+    source = "timeout"
+    value: Any = timeout
+    if value is None:
+        for variable in (_ENV_TRACES_TIMEOUT, _ENV_TIMEOUT):
+            if os.environ.get(variable):
+                source, value = variable, os.environ[variable]
+                break
+        else:
+            return DEFAULT_EXPORT_TIMEOUT_S
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = math.nan
+    if isinstance(value, bool) or not (0 < seconds < math.inf):
+        raise ValueError(f"{source}={value!r} is not a positive number of seconds")
+    return seconds
 
 
 def otlp_exporter(endpoint: str | None = None, protocol: str | None = None, timeout: float | None = None) -> Any:
