@@ -9,7 +9,7 @@ byte-range locks (see `kvobs.ofd`), runs of consecutive ids coalesced into one r
 - cross-process and crash-safe: the kernel drops a dead holder's ranges, even after SIGKILL;
 - thread-safe: every claim takes its own open file description of the lock file (from a per-process pool,
   since opening one per claim costs), so two claims of one process exclude each other in the kernel exactly
-  as two processes do, and any thread may release a claim;
+  as two processes do, and any thread may release a claim (OFD locks belong to no thread);
 - shared and exclusive: readers (write-back, send) take ``F_RDLCK`` ranges, writers ``F_WRLCK``;
 - deadlock-free: a claim takes its runs in ascending block order, holding the earlier ones while it waits;
 - writers do not starve: a writer that has to wait first takes the run's "turnstile" bytes (block b's
@@ -22,11 +22,13 @@ byte-range locks (see `kvobs.ofd`), runs of consecutive ids coalesced into one r
 Every acquisition step records its undo in the same C-level call that performs it (see `kvobs.atomic`):
 taking a pooled description pushes "return it to the pool", then "unlock everything on it" is pushed before
 any range is locked, so however an asynchronous exception interrupts a claim, running the undo steps frees
-exactly what it holds.
+exactly what it holds. Growing the pool opens a description and pools it in one C call too, so a storm of
+interrupts cannot leak descriptors either.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import functools
 import operator
@@ -35,7 +37,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Sequence
-from itertools import repeat
+from itertools import repeat, tee
 from types import TracebackType
 from typing import Any, NamedTuple
 
@@ -43,7 +45,7 @@ from kvobs import ofd
 from kvobs.atomic import Held, push_unless_raises, release_now
 from kvobs.block_holders import HolderTable
 from kvobs.errors import LockTimeout
-from kvobs.lockfile import lock_directory, lock_path, open_lock_file, reopen
+from kvobs.lockfile import lock_directory, lock_path, open_lock_file
 from kvobs.locks import UNKNOWN_HOLDER, Claim, OnConflict
 from kvobs.semconv import CLAIM_EXCLUSIVE, CLAIM_SHARED
 
@@ -53,6 +55,8 @@ _FIRST_PAUSE_S = 50e-6
 _MAX_PAUSE_S = 1e-3
 _MAX_BLOCKS = 1 << 40  # data and turnstile bytes stay far below the init byte (1 << 62)
 _SUFFIX = ".blocks"
+_PROC_FD = "/proc/self/fd"
+_REOPEN_FLAGS = os.O_RDWR | os.O_CLOEXEC
 
 _CALL = operator.methodcaller("__call__")
 _POPLEFT = deque.popleft
@@ -61,13 +65,21 @@ _POPLEFT = deque.popleft
 _LOCKS: weakref.WeakSet[BlockLock] = weakref.WeakSet()
 
 
-class _Slot(NamedTuple):
-    """One open file description of the lock file; a claim's ranges live on it alone."""
+class _Descriptors:
+    """Every descriptor a BlockLock opened, closed together on close() or when the lock is collected."""
 
-    fd: int
-    setlk: functools.partial[Any]  # fcntl(fd, F_OFD_SETLK, flock)
-    unlock_all: functools.partial[Any]  # releases every range on fd: the claim's whole undo in one call
-    forget: functools.partial[Any]  # drops the claim's record from the process's table
+    def __init__(self, base: int) -> None:
+        self.base = base  # the checked lock file; new descriptions are re-opened from it
+        self.claims: dict[int, int] = {}  # fd -> fd: one open file description per (pooled) claim
+        self.inherited: list[int] = []  # a forked child's copies of its parent's claim descriptors
+
+    def close(self) -> None:
+        for fd in (*self.claims, *self.inherited, self.base):
+            if fd >= 0:
+                os.close(fd)
+        self.claims.clear()
+        self.inherited.clear()
+        self.base = -1
 
 
 class _Record(NamedTuple):
@@ -109,18 +121,20 @@ class BlockLock:
         fd = open_lock_file(self.path, create=create)
         try:
             ofd.check_supported(fd)
+            if not os.path.isdir(_PROC_FD):
+                raise ofd.OFDUnsupported(errno.ENOTSUP, f"BlockLock re-opens its lock file through {_PROC_FD}")
             self._holders = HolderTable(fd, num_blocks, self.path)
         except BaseException:
             os.close(fd)
             raise
-        self._fd = fd
+        # /proc/self/fd/N opens a new description of exactly the file checked above, never another one.
+        self._reopen_path = f"{_PROC_FD}/{fd}"
         self._whole = {
             exclusive: _Plan([ofd.pack(kind, 0, num_blocks)], [0], [num_blocks], num_blocks)
             for exclusive, kind in ((True, fcntl.F_WRLCK), (False, fcntl.F_RDLCK))
         }
-        # Every descriptor this lock opened, closed together on close() or when the lock is collected.
-        self._open_fds: list[int] = [fd]
-        self._finalizer = weakref.finalize(self, _close_all, self._open_fds, self._holders)
+        self._descriptors = _Descriptors(fd)
+        self._finalizer = weakref.finalize(self, _close_all, self._descriptors, self._holders)
         self._start_process_state()
         _LOCKS.add(self)
 
@@ -136,10 +150,10 @@ class BlockLock:
         return functools.partial(BlockLock.attach, directory=self.directory), (self.name, self.num_blocks)
 
     def _start_process_state(self) -> None:
-        self._pool: deque[_Slot] = deque()  # idle descriptions, most recently used on the right
-        self._slots: list[_Slot] = []
-        self._active: dict[int, _Record] = {}  # fd -> the claim that fd holds
-        self._pop_slot = (self._pool.pop,)
+        """Fresh per-process containers: undo steps copied from elsewhere keep pointing at the old ones."""
+        self._pool: deque[int] = deque()  # idle claim descriptors, most recently used on the right
+        self._active: dict[int, _Record] = {}  # descriptor -> the granted claim it holds
+        self._pop = (self._pool.pop,)
         self._returner = functools.partial(functools.partial, self._pool.append)
 
     # --- the cache-lock protocol ----------------------------------------------------------------------
@@ -150,14 +164,15 @@ class BlockLock:
         plan = self._plan(claim)
         deadline = None if timeout is None else time.monotonic() + timeout
         before = len(held)
-        slot = self._take_slot(held)
-        held.appendleft(slot.unlock_all)  # before any range: from here one call frees all the claim holds
-        if not self._lock(slot, plan, claim, deadline, on_conflict):
+        fd = self._take_description(held)
+        # Before any range: from here one call frees everything the claim holds.
+        held.appendleft(functools.partial(fcntl.fcntl, fd, ofd.F_OFD_SETLK, ofd.UNLOCK_ALL))
+        if not self._lock(fd, plan, claim, deadline, on_conflict):
             _undo_newest(held, len(held) - before)
             return False
         self._holders.stamp(plan.starts, self._holders.code(claim.holder))
         record = _Record(time.monotonic(), plan.blocks, claim.exclusive)
-        push_unless_raises(held, slot.forget, self._active.__setitem__, slot.fd, record)
+        push_unless_raises(held, functools.partial(self._active.pop, fd, None), self._active.__setitem__, fd, record)
         return True
 
     def overlaps(self, a: Claim, b: Claim) -> bool:
@@ -225,58 +240,62 @@ class BlockLock:
         requests = list(map(functools.partial(ofd.FLOCK.pack, kind, os.SEEK_SET), starts, lengths, repeat(0)))
         return _Plan(requests, starts, lengths, len(blocks))
 
-    def _take_slot(self, held: Held) -> _Slot:
+    def _take_description(self, held: Held) -> int:
         """Pop an idle description and push its return to the pool, in one C call; open one if none is idle."""
         while True:
             try:
-                held.extendleft(map(self._returner, map(_CALL, self._pop_slot)))
+                held.extendleft(map(self._returner, map(_CALL, self._pop)))
             except IndexError:
                 self._grow()
                 continue
             return held[0].args[0]  # type: ignore[no-any-return]
 
     def _grow(self) -> None:
-        if self._fd < 0:
+        """Open a new description and pool it in one C call: interrupted before, nothing was opened."""
+        descriptors = self._descriptors
+        if descriptors.base < 0:
             raise ValueError(f"{self!r} is closed")
-        fd = reopen(self._fd, self.path)
-        self._open_fds.append(fd)
-        setlk = functools.partial(fcntl.fcntl, fd, ofd.F_OFD_SETLK)
-        slot = _Slot(fd, setlk, functools.partial(setlk, ofd.UNLOCK_ALL), functools.partial(self._active.pop, fd, None))
-        self._slots.append(slot)
-        self._pool.append(slot)
+        opened = tee(map(os.open, (self._reopen_path,), (_REOPEN_FLAGS,)))
+        self._pool.extend(map(descriptors.claims.setdefault, *opened))  # setdefault(fd, fd) returns fd
 
     def _lock(
-        self, slot: _Slot, plan: _Plan, claim: Claim, deadline: float | None, on_conflict: OnConflict | None
+        self, fd: int, plan: _Plan, claim: Claim, deadline: float | None, on_conflict: OnConflict | None
     ) -> bool:
-        """Lock every run of `plan` on `slot`; False when the deadline passed first."""
+        """Lock every run of `plan` on the description `fd`; False when the deadline passed first."""
         if not claim.exclusive:
-            gate = self._queued_writer(slot.fd, plan)
+            gate = self._queued_writer(fd, plan)
             if gate is not None:
                 if on_conflict is not None:
                     on_conflict(gate)
                     on_conflict = None
-                if not _poll(functools.partial(self._no_queued_writer, slot.fd, plan), deadline):
+                if not _poll(functools.partial(self._no_queued_writer, fd, plan), deadline):
                     return False
+        setlk = functools.partial(fcntl.fcntl, fd, ofd.F_OFD_SETLK)
         try:
-            deque(map(slot.setlk, plan.requests), 0)  # uncontended: every run in one C-level pass
+            deque(map(setlk, plan.requests), 0)  # uncontended: every run in one C-level pass
             return True
         except OSError as exc:
             if not ofd.is_contention(exc):
                 raise
-        return self._wait_for_runs(slot, plan, claim, deadline, on_conflict)
+        return self._wait_for_runs(fd, setlk, plan, claim, deadline, on_conflict)
 
     def _wait_for_runs(
-        self, slot: _Slot, plan: _Plan, claim: Claim, deadline: float | None, on_conflict: OnConflict | None
+        self,
+        fd: int,
+        setlk: functools.partial[Any],
+        plan: _Plan,
+        claim: Claim,
+        deadline: float | None,
+        on_conflict: OnConflict | None,
     ) -> bool:
         """Take the runs in ascending order, waiting where one is held (runs already held re-lock at once)."""
-        setlk = slot.setlk
         holder, exclusive = claim.holder, claim.exclusive
         for request, start, length in zip(plan.requests, plan.starts, plan.lengths):
             if _attempt(setlk, request):
                 continue
             if on_conflict is not None:
                 kind = fcntl.F_WRLCK if exclusive else fcntl.F_RDLCK
-                on_conflict(self._holder_of(slot.fd, kind, start, length))
+                on_conflict(self._holder_of(fd, kind, start, length))
                 on_conflict = None
             if exclusive:
                 # Queue at the turnstile: readers arriving from now on wait behind this writer.
@@ -310,7 +329,6 @@ class BlockLock:
     def close(self) -> None:
         """Close every descriptor (which drops any range still claimed through this lock). Idempotent."""
         _LOCKS.discard(self)
-        self._fd = -1
         self._pool.clear()
         self._finalizer()
 
@@ -321,12 +339,15 @@ class BlockLock:
         undo step copied from the parent would free the parent's claim). Each inherited descriptor number is
         pointed at /dev/null, where such an undo unlocks nothing, and the child starts an empty pool.
         """
+        descriptors = self._descriptors
         devnull = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
         try:
-            for slot in self._slots:
-                os.dup2(devnull, slot.fd, inheritable=False)
+            for fd in descriptors.claims:
+                os.dup2(devnull, fd, inheritable=False)
         finally:
             os.close(devnull)
+        descriptors.inherited.extend(descriptors.claims)
+        descriptors.claims = {}
         self._start_process_state()
 
     def __repr__(self) -> str:
@@ -391,10 +412,9 @@ def _undo_newest(held: Held, count: int) -> None:
     deque(map(_CALL, map(_POPLEFT, repeat(held, count))), 0)
 
 
-def _close_all(fds: list[int], holders: HolderTable) -> None:
+def _close_all(descriptors: _Descriptors, holders: HolderTable) -> None:
     holders.close()
-    while fds:
-        os.close(fds.pop())
+    descriptors.close()
 
 
 def _after_fork_in_child() -> None:
