@@ -43,7 +43,7 @@ def main() -> None:
     write_back("req-1", ["k0", "k1"], [0, 1])
     prefetch("req-2", ["k0", "k1"], [4, 5])
     # As a context manager every spec is the value itself.
-    with obs.send(block_ids=[4, 5], cache=gpu_cache, request_id="req-2"):
+    with obs.transfer("send", block_ids=[4, 5], cache=gpu_cache, request_id="req-2"):
         pass  # the layer-by-layer send to the decode node goes here
 
     provider.shutdown()  # flushes the batch; bounded by the exporter timeout above

@@ -6,29 +6,34 @@ import torch.
 
 __version__ = "0.1.0"
 
-from kvobs.errors import TransferRejected
-from kvobs.guard import Transfer, TransferRecord
+from kvobs.errors import CorruptKVError, KVObsError, LockTimeout, ReentrantLockError, TransferRejected
+from kvobs.guard import Guard
 from kvobs.instrument import Instrumentation, instrument
-from kvobs.integrity import CheckResult, CorruptKVError, check_blocks
-from kvobs.locks import LockTimeout, NullLock, ProcessLock, ThreadLock
+from kvobs.integrity import CheckResult, check_blocks
+from kvobs.locks import NullLock, ProcessLock, ThreadLock
 from kvobs.observer import KVObserver
 from kvobs.policy import IntegrityPolicy
 from kvobs.signals import EarlySignalBuffer, ReadySignal
 from kvobs.telemetry.exposition import start_metrics_server
 from kvobs.telemetry.logs import add_trace_context
+from kvobs.telemetry.recorder import TransferRecord
 from kvobs.telemetry.tracing import configure_tracing
+from kvobs.transfer import Transfer
 
 __all__ = [
     "CheckResult",
     "CorruptKVError",
     "EarlySignalBuffer",
+    "Guard",
     "Instrumentation",
     "IntegrityPolicy",
+    "KVObsError",
     "KVObserver",
     "LockTimeout",
     "NullLock",
     "ProcessLock",
     "ReadySignal",
+    "ReentrantLockError",
     "ThreadLock",
     "Transfer",
     "TransferRecord",

@@ -1,8 +1,11 @@
-"""Find a transfer's keys, block ids, sync flag and cache in the decorated call's arguments.
+"""Find a transfer's keys, block ids, sync flag, cache and key in the decorated call's arguments.
 
-A spec is a parameter name (`"block_ids"`), an attribute path rooted at a parameter (`"task.gpu_block_ids"`,
-`"self.gpu_cache"`), or a callable receiving the call's own arguments. The parameter's position is resolved
-once, at decoration time, so the hot path is a tuple index or a dict lookup, never `inspect.Signature.bind`.
+A decorator spec is a parameter name (`"block_ids"`), an attribute path rooted at a parameter
+(`"task.gpu_block_ids"`, `"self.gpu_cache"`), a callable receiving the call's own arguments, or any other
+object, taken as the value itself (a cache tensor shared by every call). A string always names a parameter
+here; code that passes values (`obs.transfer(...)`, `obs.begin(...)`) never goes through specs.
+The parameter's position is resolved once, at decoration time, so the hot path is a tuple index or a dict
+lookup, never `inspect.Signature.bind`.
 """
 
 from __future__ import annotations
@@ -17,6 +20,11 @@ _MISSING = object()
 
 class SpecError(LookupError):
     """A spec could not be resolved against the call's arguments."""
+
+
+def compile_specs(specs: Mapping[str, Any], func: Callable[..., Any]) -> dict[str, Resolver]:
+    """Resolvers for every spec that is set; a spec that cannot fit `func` is a ValueError now."""
+    return {field: compile_spec(field, spec, func) for field, spec in specs.items() if spec is not None}
 
 
 def compile_spec(field: str, spec: Any, func: Callable[..., Any]) -> Resolver | None:

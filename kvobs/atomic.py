@@ -14,6 +14,8 @@ kvobs gets the same guarantee by never letting bytecode run between an action an
 - `one_shot_release(held)` is built BEFORE anything is acquired and returns a callable that runs every undo
   in `held` (newest first) and then clears it, again inside one C-level call. It does its work at most once,
   from any thread, so cleanup paths may call it freely.
+- Who ends something is decided the same way: `mine.extend(islice(token_iterator, 1))` moves a one-shot
+  token into the caller's own list in one C call, so the winner knows it won even if interrupted at once.
 """
 
 from __future__ import annotations
@@ -22,12 +24,13 @@ import functools
 import operator
 from collections import deque
 from collections.abc import Callable
-from itertools import chain, compress, islice
+from itertools import chain, compress, starmap
 from typing import Any
 
 Held = deque  # of zero-argument undo callables, newest first
 
 _CALL = operator.methodcaller("__call__")
+_SECOND = operator.itemgetter(1)
 
 
 def push_if(held: Held, undo: Callable[[], Any], attempt: Callable[..., Any], *args: Any) -> bool:
@@ -36,14 +39,14 @@ def push_if(held: Held, undo: Callable[[], Any], attempt: Callable[..., Any], *a
     An exception raised by `attempt` records nothing. Returns whether `undo` was recorded.
     """
     before = len(held)
-    held.extendleft(compress((undo,), map(attempt, *[(a,) for a in args])))
+    held.extendleft(compress((undo,), starmap(attempt, (args,))))
     return len(held) != before
 
 
 def push_unless_raises(held: Held, undo: Callable[[], Any], attempt: Callable[..., Any], *args: Any) -> None:
     """Run `attempt(*args)` (for calls such as `fcntl.flock` that return None and raise on failure) and
     record `undo` in the same C call unless it raised."""
-    held.extendleft(map(operator.itemgetter(1), zip(map(attempt, *[(a,) for a in args]), (undo,))))
+    held.extendleft(map(_SECOND, zip(starmap(attempt, (args,)), (undo,))))
 
 
 def one_shot_release(held: Held) -> Callable[[], Any]:
@@ -58,9 +61,3 @@ def release_now(held: Held) -> None:
     """Undo everything in `held` at once. If interrupted before it starts, `held` is intact for a retry."""
     deque(map(_CALL, chain(held, (held.clear,))), 0)
 
-
-def one_shot_token() -> Callable[[list], None]:
-    """`take(into)` moves the single token into the list `into` for the first caller only, in one C call:
-    the taker knows it won even if it is interrupted right after."""
-    tokens = iter((True,))
-    return lambda into: into.extend(islice(tokens, 1))

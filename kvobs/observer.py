@@ -1,55 +1,61 @@
-"""KVObserver: one per engine process. Owns the configuration, the cache lock and the telemetry handles.
+"""KVObserver: one per engine process. Owns the configuration, the cache lock, the open transfers and the
+telemetry handles, and hands out guards and transfers.
 
-Every configuration problem is raised here, at construction, never at the first transfer.
+Every configuration problem is raised here, at construction, never at the first transfer. The observer
+only wires things together: the transfer lifecycle (`kvobs.transfer`) does the work, and telemetry is a
+layer below it.
 """
 
 from __future__ import annotations
 
-import logging
-import math
-import os
-import re
+import dataclasses
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from kvobs import config
 from kvobs import semconv as sc
-from kvobs.guard import Transfer, TransferRecord, _Call
-from kvobs.lock_section import LockSection
-from kvobs.locks import CacheLock, LockTimeout, NullLock, ThreadLock
+from kvobs.cache_checks import CacheCheck
+from kvobs.guard import Guard
+from kvobs.locks import CacheLock, NullLock, ThreadLock
+from kvobs.open_transfers import OpenTransfers
 from kvobs.signals import EarlySignalBuffer
 from kvobs.telemetry import metrics as tm
-from kvobs.telemetry.logs import default_logger, level_number, trace_fields
+from kvobs.telemetry.logs import default_logger, level_number
+from kvobs.telemetry.recorder import Hook, Recorder
 from kvobs.telemetry.tracing import TracerSource
-
-DEFAULT_LOCK_TIMEOUT_S = 30.0
-_LABEL_VALUE = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
-_FALSY = {"0", "false", "no", "off"}
-Hook = Callable[[TransferRecord], None]
-_OUTCOME_LOG_LEVEL = {sc.OUTCOME_OK: logging.DEBUG, sc.OUTCOME_REJECTED: logging.WARNING,
-                      sc.OUTCOME_ERROR: logging.ERROR}
+from kvobs.transfer import CorruptHandler, Route, Transfer
 
 
 class KVObserver:
     """Guards and observes one engine's KV transfers.
 
     engine: a low-cardinality label value naming the engine (never a request or node id).
-    lock: the cache lock the transfers take (`ThreadLock()` by default; `ProcessLock(name)` across worker
-        processes; `None` for no lock at all, kvobs only observing).
-    lock_timeout: seconds to wait for the lock before raising LockTimeout (env KVOBS_LOCK_TIMEOUT, default 30).
+    lock: the cache lock transfers take (`ThreadLock()` by default; `ProcessLock(name)` across worker
+        processes; `BlockLock(name, num_blocks)` to lock blocks, not the whole cache; None: observe only).
+    lock_timeout: seconds to wait for the lock before LockTimeout (env KVOBS_LOCK_TIMEOUT, default 30).
+    deadline: seconds an open transfer (begun, or left open by `complete_later=`) may wait for its
+        completion before it is abandoned and its lock released (env KVOBS_TRANSFER_DEADLINE, default 60).
     registry / tracer_provider / logger: injected telemetry back-ends (defaults: prometheus_client's global
-        registry, the global OpenTelemetry provider as configured by the application, structlog's logger).
-    enabled: False (or env KVOBS_ENABLED=0) keeps validation, the lock and integrity checks, and registers
-        and records no telemetry at all.
-    capacity: number of GPU blocks, so block ids past it are rejected before locking.
+        registry, the global OpenTelemetry provider once an application sets one, structlog's logger).
+    enabled: False (or env KVOBS_ENABLED=0) keeps validation, the lock, integrity checks and hooks, and
+        registers and records no metrics, spans or logs.
+    capacity: number of GPU blocks (pages), so ids past it are rejected before locking.
     block_bytes: bytes per KV block, for kvobs_transfer_bytes_total when a call does not say.
     block_dim: the block dimension of the cache tensors handed to integrity checks.
+    page_size: ids are token slots and a block (page) holds this many (SGLang); None: ids are block ids.
     integrity: the NaN/Inf policy ("raise", "skip", "count", an IntegrityPolicy, None for off), or a mapping
-        from path to one of those.
-    sync_required: paths that refuse `is_sync=False` calls (default prefetch and write_back).
+        from path to one of those (paths left out keep the default, "raise").
+    sync_required: paths that refuse `is_sync=False` unless the guard completes later (default prefetch
+        and write-back).
+    reading_paths: paths whose transfers read KV blocks: shared lock claims, sources checked before the copy
+        (default write-back and send); the others (prefetch, receive, extra paths) write blocks: exclusive
+        claims, destinations checked at completion.
     extra_paths: more path names beside prefetch, write_back and send.
-    hooks: callables receiving a TransferRecord after each transfer; one that raises is counted, not raised.
+    holders: names of lock holders that are not transfers, for `obs.locked` (default "forward").
+    hooks: callables receiving a TransferRecord for every transfer that ends or is refused; one that raises
+        is counted, never raised.
     log_level: the level below which kvobs emits nothing (default info: successful calls are debug).
     buckets: histogram bucket bounds in seconds for this registry.
     """
@@ -60,6 +66,7 @@ class KVObserver:
         *,
         lock: CacheLock | None | str = "thread",
         lock_timeout: float | None = None,
+        deadline: float | None = None,
         registry: CollectorRegistry | None = None,
         tracer_provider: Any = None,
         logger: Any = None,
@@ -67,75 +74,198 @@ class KVObserver:
         capacity: int | None = None,
         block_bytes: int | None = None,
         block_dim: int = 0,
+        page_size: int | None = None,
         integrity: Any = "raise",
         sync_required: Iterable[str] = (sc.PATH_PREFETCH, sc.PATH_WRITE_BACK),
+        reading_paths: Iterable[str] = (sc.PATH_WRITE_BACK, sc.PATH_SEND),
         extra_paths: Iterable[str] = (),
+        holders: Iterable[str] = (sc.HOLDER_FORWARD,),
         hooks: Iterable[Hook] = (),
         log_level: str | int = "info",
         buckets: Iterable[float] | None = None,
     ) -> None:
-        self.engine = _label_value("engine", engine)
-        self.paths = tuple(sc.PATHS) + tuple(_label_value("path", p) for p in extra_paths)
+        self.engine = config.label_value("engine", engine)
+        self.paths = tuple(sc.PATHS) + tuple(config.label_value("path", p) for p in extra_paths)
+        self.holders = tuple(config.label_value("holder", h) for h in holders)
         self.lock: CacheLock = ThreadLock() if lock == "thread" else NullLock() if lock is None else lock
-        if not all(hasattr(self.lock, a) for a in ("acquire", "release", "name", "held_for")):
-            raise TypeError(f"lock must be a kvobs lock (ThreadLock, ProcessLock, NullLock), got {lock!r}")
-        self.lock_timeout = _lock_timeout(lock_timeout)
-        self.capacity = _optional_positive_int("capacity", capacity)
-        self.block_bytes = _optional_positive_int("block_bytes", block_bytes)
+        if not all(hasattr(self.lock, a) for a in ("acquire_into", "overlaps", "held_for", "name")):
+            raise TypeError(f"lock must be a kvobs lock (ThreadLock, ProcessLock, BlockLock, NullLock), got {lock!r}")
+        self.lock_timeout = config.seconds("lock_timeout", lock_timeout, sc.ENV_LOCK_TIMEOUT,
+                                           config.DEFAULT_LOCK_TIMEOUT_S)
+        self.deadline = config.seconds("deadline", deadline, sc.ENV_TRANSFER_DEADLINE, config.DEFAULT_DEADLINE_S)
+        self.capacity = config.optional_positive_int("capacity", capacity)
+        self.block_bytes = config.optional_positive_int("block_bytes", block_bytes)
+        self.page_size = config.optional_positive_int("page_size", page_size)
         if not isinstance(block_dim, int) or isinstance(block_dim, bool):
             raise TypeError(f"block_dim must be an int, got {block_dim!r}")
         self.block_dim = block_dim
         self.sync_required = frozenset(self._known_path(p, "sync_required") for p in sync_required)
+        self.reading_paths = frozenset(self._known_path(p, "reading_paths") for p in reading_paths)
         self._integrity = self._integrity_by_path(integrity)
         self.hooks = tuple(hooks)
         if not all(callable(h) for h in self.hooks):
             raise TypeError("every hook must be callable")
         self.log_level = level_number(log_level)
         self.logger = logger if logger is not None else default_logger()
-        self.telemetry = _enabled(enabled)
+        self.telemetry = config.enabled(enabled)
         self.tracer_source = TracerSource(tracer_provider)
+        self.open = OpenTransfers(self.paths, self.deadline)
+        self._caches = CacheCheck(block_dim)
         self.metrics: tm.EngineMetrics | None = None
         if self.telemetry:
-            self.metrics = tm.EngineMetrics(tm.MetricFamilies.of(registry, buckets), self.engine, self.lock.name)
-            for path in self.paths[len(sc.PATHS):]:
-                self.metrics.add_path(path)
-            tm.bind_scrape_time(
-                self.metrics.lock_held, self.lock.held_for, lambda: self.metrics.count_telemetry_error("scrape")
-            )
+            self.metrics = tm.EngineMetrics(tm.MetricFamilies.of(registry, buckets), self.engine, self.lock.name,
+                                            logger=self.logger)
+            self.metrics.bind_lock_held(self.lock, _held_for)
+        self._routes = {p: self._route(p) for p in self.paths}
+        self._holder_routes = {h: self._holder_route(h) for h in self.holders}
 
-    # -- the public decorators ---------------------------------------------------------------------------
+    # -- decorators: specs name where each value is found in the call --------------------------------------
 
-    def prefetch(self, **specs: Any) -> Transfer:
-        """Guard a storage -> GPU prefetch. Destination blocks are checked after the call."""
-        return self.transfer(sc.PATH_PREFETCH, **specs)
+    def prefetch(self, **options: Any) -> Guard:
+        """Guard a storage -> GPU prefetch (a writing transfer: destinations checked at completion)."""
+        return self.guard(sc.PATH_PREFETCH, **options)
 
-    def write_back(self, **specs: Any) -> Transfer:
-        """Guard a GPU -> storage write-back. Source blocks are checked before the call."""
-        return self.transfer(sc.PATH_WRITE_BACK, **specs)
+    def write_back(self, **options: Any) -> Guard:
+        """Guard a GPU -> storage write-back (a reading transfer: sources checked before the copy)."""
+        return self.guard(sc.PATH_WRITE_BACK, **options)
 
-    def send(self, **specs: Any) -> Transfer:
-        """Guard a prefill -> decode send. Blocks are checked before the call."""
-        return self.transfer(sc.PATH_SEND, **specs)
+    def send(self, **options: Any) -> Guard:
+        """Guard a prefill -> decode send (a reading transfer: sources checked before the copy)."""
+        return self.guard(sc.PATH_SEND, **options)
 
-    def transfer(self, path: str, **specs: Any) -> Transfer:
-        """A guard for `path`. Specs (`keys`, `block_ids`, `sync`, `cache`, `nbytes`, `request_id`) are each a
-        parameter name, an attribute path such as "task.gpu_block_ids", a callable taking the call's
-        arguments, or (for context managers) the value itself; `check=` overrides the integrity policy."""
-        return Transfer(self, self._known_path(path, "path"), **specs)
+    def guard(
+        self,
+        path: str,
+        *,
+        check: Any = None,
+        result: Callable[[Any], Any] | None = None,
+        on_corrupt: CorruptHandler | None = None,
+        **specs: Any,
+    ) -> Guard:
+        """A decorator for `path`. Specs (`keys`, `block_ids`, `sync`, `cache`, `nbytes`, `request_id`,
+        `group_sizes`, `complete_later`) are parameter names or attribute paths ("task.gpu_block_ids"),
+        callables taking the call's arguments, or fixed values. `complete_later` names the key under which
+        the transfer stays open after the call returns, until `obs.complete(path, key)`. `result` maps the
+        call's return value (or what `complete` is given) to the block ids that actually moved. `check`
+        overrides the integrity policy; `on_corrupt(transfer, bad_ids)` replaces the result of a transfer
+        found corrupt instead of raising."""
+        return Guard(self._route_for(path, check), specs, result=result, on_corrupt=on_corrupt)
 
-    def locked(self, holder: str = "forward") -> LockSection:
-        """The observer's lock for a holder that is not a transfer (the GPU worker's forward pass), as a
-        decorator or context manager: timed, released in finally, its wait and hold recorded under
-        `path=holder` in kvobs_lock_wait_seconds / kvobs_lock_hold_seconds."""
-        return LockSection(self, _label_value("holder", holder))
+    def locked(self, holder: str = sc.HOLDER_FORWARD, **specs: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        """A decorator taking the cache lock for a holder that is not a transfer (the GPU worker's
+        `execute_model`): timed, its wait and hold recorded under `path=holder`. `block_ids=` (a spec) names
+        the blocks it writes, for a BlockLock."""
+        return Guard(self._holder_route_for(holder), specs)
+
+    # -- values: for code that is not one decorated call ---------------------------------------------------
+
+    def transfer(self, path: str, *, check: Any = None, **values: Any) -> Transfer:
+        """A validated transfer for `with` / `async with` (values: `block_ids`, `keys`, `cache`, `nbytes`,
+        `request_id`, `key`, `group_sizes`): begun on entry, completed on a clean exit, failed otherwise."""
+        return self._validated(self._route_for(path, check), values)
+
+    def begin(self, path: str, *, check: Any = None, **values: Any) -> Transfer:
+        """Begin a transfer now and hold the lock until `t.complete(...)` / `t.fail(exc)` is called, from any
+        thread, or the deadline passes. With `key=`, `obs.complete(path, key)` finds it too."""
+        t = self._validated(self._route_for(path, check), values)
+        try:
+            t.acquire()
+        except BaseException as exc:
+            t._release()
+            t.fail(exc)
+            raise
+        return t
+
+    def hold(self, holder: str = sc.HOLDER_FORWARD, *, block_ids: Any = None) -> Transfer:
+        """The cache lock for a holder that is not a transfer, as a `with` block (values, not specs)."""
+        return self._validated(self._holder_route_for(holder), {"block_ids": block_ids})
+
+    def complete(self, path: str, key: Any, result: Any = None, *, moved: Any = None) -> Any:
+        """Complete the open transfer under (path, key); see `Transfer.complete`. An unknown key (never
+        opened, or already ended, e.g. abandoned) changes nothing and returns `result`."""
+        t = self.open.find(self._known_path(path, "path"), key)
+        return result if t is None else t.complete(result, moved=moved)
+
+    def fail(self, path: str, key: Any, error: BaseException) -> bool:
+        """Fail the open transfer under (path, key); False when none is open."""
+        t = self.open.find(self._known_path(path, "path"), key)
+        return False if t is None else t.fail(error)
+
+    def open_transfer(self, path: str, key: Any) -> Transfer | None:
+        """The transfer open under (path, key), if any."""
+        return self.open.find(self._known_path(path, "path"), key)
 
     def signal_buffer(self, **options: Any) -> EarlySignalBuffer:
-        """An EarlySignalBuffer reporting through this observer's metrics and logger. One per observer: the
-        pending-signal gauges of an engine show the buffer built last."""
+        """An EarlySignalBuffer reporting through this observer's metrics and logger."""
         options.setdefault("log_level", self.log_level)
         return EarlySignalBuffer(metrics=self.metrics, logger=self.logger, **options)
 
-    # -- configuration helpers ---------------------------------------------------------------------------
+    # -- wiring ----------------------------------------------------------------------------------------------
+
+    def _validated(self, route: Route, values: dict[str, Any]) -> Transfer:
+        unknown = set(values) - {"block_ids", "keys", "cache", "nbytes", "request_id", "key", "group_sizes",
+                                 "trace_context"}
+        if unknown:
+            raise TypeError(f"unknown transfer value(s) {sorted(unknown)}")
+        block_ids = values.get("block_ids")
+        t = Transfer(route, keys=values.get("keys"), cache=values.get("cache"), nbytes=values.get("nbytes"),
+                     request_id=values.get("request_id"), key=values.get("key"),
+                     trace_context=values.get("trace_context"))
+        if block_ids is None:
+            return t.validate(group_sizes=values.get("group_sizes"))
+        return t.validate(block_ids=block_ids, group_sizes=values.get("group_sizes"))
+
+    def _route(self, path: str) -> Route:
+        policy = self._integrity[path]
+        recorder = self._recorder(path, holder=False)
+        if self.metrics is not None:
+            self.metrics.bind_open_transfers(path, self.open, lambda table: table.count(path),
+                                             lambda table: table.oldest_age(path))
+        return Route(
+            engine=self.engine, path=path, lock=self.lock, lock_timeout=self.lock_timeout,
+            deadline_s=self.deadline, reads_blocks=path in self.reading_paths, policy=policy,
+            sampler=policy.sampler() if policy is not None else None, capacity=self.capacity,
+            block_bytes=self.block_bytes, page_size=self.page_size, sync_required=path in self.sync_required,
+            recorder=recorder, open=self.open, caches=self._caches,
+        )
+
+    def _holder_route(self, holder: str) -> Route:
+        return Route(
+            engine=self.engine, path=holder, lock=self.lock, lock_timeout=self.lock_timeout,
+            deadline_s=self.deadline, reads_blocks=False, policy=None, sampler=None, capacity=self.capacity,
+            block_bytes=None, page_size=self.page_size, sync_required=False,
+            recorder=self._recorder(holder, holder=True), open=None, caches=self._caches,
+        )
+
+    def _recorder(self, path: str, *, holder: bool) -> Recorder:
+        metrics = None
+        if self.metrics is not None:
+            metrics = self.metrics.holder(path) if holder else self.metrics.path(path)
+        return Recorder(
+            self.engine, path, metrics=metrics, tracer_source=self.tracer_source, logger=self.logger,
+            log_level=self.log_level, hooks=self.hooks, failures=self._telemetry_failed,
+            lock_name=self.lock.name, block_bytes=self.block_bytes, holder=holder,
+        )
+
+    def _route_for(self, path: str, check: Any) -> Route:
+        route = self._routes[self._known_path(path, "path")]
+        if check is None:
+            return route
+        policy = None if check is False else config.policy(check)
+        return dataclasses.replace(route, policy=policy, sampler=policy.sampler() if policy is not None else None)
+
+    def _holder_route_for(self, holder: str) -> Route:
+        route = self._holder_routes.get(holder)
+        if route is None:
+            raise ValueError(
+                f"holder={holder!r} is not declared: declare lock holders up front, "
+                f"KVObserver(holders=[...]) (declared: {', '.join(self.holders) or 'none'})"
+            )
+        return route
+
+    def _telemetry_failed(self, stage: str, exc: BaseException) -> None:
+        if self.metrics is not None:
+            self.metrics.count_telemetry_error(stage, exc)
 
     def _known_path(self, path: str, what: str) -> str:
         if path not in self.paths:
@@ -143,176 +273,15 @@ class KVObserver:
         return path
 
     def _integrity_by_path(self, integrity: Any) -> dict[str, Any]:
+        """A mapping sets the policy of the paths it names; the others keep the default ("raise")."""
         if isinstance(integrity, Mapping):
             for path in integrity:
                 self._known_path(path, "integrity")
-            return {p: _policy(integrity.get(p)) for p in self.paths}
-        policy = _policy(integrity)
+            default = config.policy("raise")
+            return {p: config.policy(integrity[p]) if p in integrity else default for p in self.paths}
+        policy = config.policy(integrity)
         return {p: policy for p in self.paths}
 
-    def integrity_policy(self, path: str, override: Any = None) -> Any:
-        """The policy for one guard: its own `check=` override, else the observer's for the path."""
-        if override is None:
-            return self._integrity[path]
-        return None if override is False else _policy(override)
 
-    # -- recording (called by guards; never raises into the engine) --------------------------------------
-
-    def record_rejected(self, path: str, exc: Exception) -> None:
-        if not self.telemetry:
-            return
-        try:
-            self.metrics.paths[path].transfers[sc.OUTCOME_REJECTED].inc()
-        except Exception:  # noqa: BLE001
-            self.metrics.count_telemetry_error("metrics")
-        self._log(logging.WARNING, "kvobs.transfer.rejected", path=path, reason=str(exc))
-
-    def record_timeout(self, guard: Transfer, call: _Call, exc: LockTimeout, waited: float) -> None:
-        m = guard.metrics
-        try:
-            m.lock_timeouts.inc()
-            m.lock_wait.observe(waited)
-            m.transfers[sc.OUTCOME_TIMEOUT].inc()
-            m.duration[sc.OUTCOME_TIMEOUT].observe(waited)
-        except Exception:  # noqa: BLE001
-            self.metrics.count_telemetry_error("metrics")
-        self._log(logging.WARNING, "kvobs.lock.timeout", path=guard.path, lock=exc.lock_name, waited_s=waited)
-
-    def record_check(self, guard: Transfer, call: _Call, result: Any) -> None:
-        if not self.telemetry:
-            return
-        m = guard.metrics
-        try:
-            m.nan_checks[result.result].inc()
-            if not result.clean:
-                m.nan_blocks.inc(len(result.bad_block_ids))
-        except Exception:  # noqa: BLE001
-            self.metrics.count_telemetry_error("metrics")
-        if result.clean:
-            return
-        bad = list(result.bad_block_ids[:64])
-        span = call.span
-        if span is not None:
-            try:
-                span.add_event(sc.EVENT_INTEGRITY_BAD_BLOCKS, {sc.ATTR_BAD_BLOCK_IDS: bad})
-            except Exception:  # noqa: BLE001
-                self.metrics.count_telemetry_error("tracing")
-        self._log(
-            logging.ERROR, "kvobs.integrity.bad_blocks", path=guard.path, result=result.result,
-            bad_blocks=len(result.bad_block_ids), bad_block_ids=bad, policy=guard.policy.mode,
-        )
-
-    def record_transfer(self, guard: Transfer, call: _Call, t_end: float) -> None:
-        error = call.error
-        outcome = sc.OUTCOME_OK if error is None and not call.skipped else (
-            sc.OUTCOME_ERROR if error is not None else sc.OUTCOME_REJECTED)
-        wait = call.t_acquired - call.t_start
-        hold = t_end - call.t_acquired
-        span = call.span
-        ids = call.ids
-        blocks = len(ids) if ids is not None else 0
-        nbytes = call.nbytes if call.nbytes is not None else blocks * (self.block_bytes or 0)
-        try:
-            m = guard.metrics
-            m.in_flight.finish()
-            if span is not None and span.is_recording():
-                exemplar = trace_fields(span)
-                tm.observe(m.lock_wait, wait, exemplar)
-                tm.observe(m.duration[outcome], wait + hold, exemplar)
-            else:
-                m.lock_wait.observe(wait)
-                m.duration[outcome].observe(wait + hold)
-            m.lock_hold.observe(hold)
-            m.transfers[outcome].inc()
-            if blocks and outcome == sc.OUTCOME_OK:
-                m.blocks.inc(blocks)
-                if nbytes:
-                    m.bytes.inc(nbytes)
-        except Exception:  # noqa: BLE001
-            self.metrics.count_telemetry_error("metrics")
-        if span is not None:
-            try:
-                if span.is_recording():
-                    span.set_attributes({sc.ATTR_LOCK_WAIT_S: wait, sc.ATTR_LOCK_HOLD_S: hold, sc.ATTR_OUTCOME: outcome})
-                    if nbytes:
-                        span.set_attribute(sc.ATTR_BYTES, nbytes)
-            except Exception:  # noqa: BLE001
-                self.metrics.count_telemetry_error("tracing")
-            guard._end_span(call, error)
-        level = _OUTCOME_LOG_LEVEL[outcome]
-        if level >= self.log_level:
-            self._log(
-                level, "kvobs.transfer", path=guard.path, outcome=outcome, blocks=blocks, duration_s=wait + hold,
-                lock_wait_s=wait, lock_hold_s=hold, error=repr(error) if error is not None else None,
-                request_id=call.request_id, span=span,
-            )
-        if self.hooks:
-            self._run_hooks(TransferRecord(
-                self.engine, guard.path, outcome, wait + hold, wait, hold, blocks, nbytes, error, call.bad_ids
-            ))
-
-    def _run_hooks(self, record: TransferRecord) -> None:
-        for hook in self.hooks:
-            try:
-                hook(record)
-            except Exception:  # noqa: BLE001
-                self.metrics.count_telemetry_error("hook")
-
-    def _log(self, level: int, event: str, span: Any = None, **fields: Any) -> None:
-        if level < self.log_level:
-            return
-        try:
-            fields.update(trace_fields(span))
-            method = logging.getLevelName(level).lower()
-            getattr(self.logger, method)(event, engine=self.engine, **fields)
-        except Exception:  # noqa: BLE001
-            self.metrics.count_telemetry_error("logging")
-
-
-def _label_value(what: str, value: Any) -> str:
-    if not isinstance(value, str) or not _LABEL_VALUE.match(value):
-        raise ValueError(
-            f"{what}={value!r} is not a valid label value: use 1-64 characters of letters, digits, '_.:-' "
-            "(a low-cardinality name, never a request or block id)"
-        )
-    return value
-
-
-def _lock_timeout(value: float | None) -> float:
-    if value is None:
-        env = os.environ.get(sc.ENV_LOCK_TIMEOUT)
-        if env is None:
-            return DEFAULT_LOCK_TIMEOUT_S
-        try:
-            value = float(env)
-        except ValueError:
-            raise ValueError(f"{sc.ENV_LOCK_TIMEOUT}={env!r} is not a number of seconds") from None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"lock_timeout must be a positive finite number of seconds, got {value!r}")
-    return float(value)
-
-
-def _optional_positive_int(what: str, value: Any) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{what} must be a positive int, got {value!r}")
-    return value
-
-
-def _enabled(value: bool | None) -> bool:
-    if value is not None:
-        return bool(value)
-    return os.environ.get(sc.ENV_ENABLED, "1").strip().lower() not in _FALSY
-
-
-def _policy(value: Any) -> Any:
-    if value is None or value is False:
-        return None
-    from kvobs.policy import IntegrityPolicy
-
-    if isinstance(value, IntegrityPolicy):
-        return value
-    if isinstance(value, str):
-        return IntegrityPolicy(mode=value)
-    raise TypeError(f"integrity policy must be 'raise', 'skip', 'count', an IntegrityPolicy or None, got {value!r}")
+def _held_for(lock: CacheLock) -> float:
+    return lock.held_for()

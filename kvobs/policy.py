@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import itertools
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 POLICIES = ("raise", "skip", "count")
 
@@ -35,14 +36,17 @@ class Sampler:
 class IntegrityPolicy:
     """What to do with corrupt blocks and how often to check (default: every call).
 
-    `raise`: CorruptKVError before the data moves on. `skip`: a bad write-back or send is not performed
-    (the decorated call returns None, counted as outcome="rejected"); a prefetch has already landed, and a
-    with-block body cannot be skipped, so those raise. `count`: metrics and logs only.
+    `raise`: CorruptKVError before the data moves on. `skip`: the transfer ends as outcome="rejected" and
+    the decorated call (or `complete()`) returns `skip_result` instead (a copy of it), so code that must go
+    on, such as a pool thread that sends the engine's done signal, never raises: a bad write-back or send is
+    not performed; a bad prefetch returns e.g. `skip_result=[]`, "nothing loaded, recompute". Code that
+    cannot be skipped (a with-block, `obs.begin`) raises instead. `count`: metrics and logs only.
     """
 
     mode: str = "raise"
     every: int = 1
     fraction: float | None = None
+    skip_result: Any = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.mode not in POLICIES:

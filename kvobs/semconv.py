@@ -14,7 +14,8 @@ PREFIX: Final = "kvobs"
 PATH_PREFETCH: Final = "prefetch"
 PATH_WRITE_BACK: Final = "write_back"
 PATH_SEND: Final = "send"
-PATHS: Final = (PATH_PREFETCH, PATH_WRITE_BACK, PATH_SEND)
+PATH_RECEIVE: Final = "receive"  # the decode node's side of a send: KV arriving into its GPU blocks
+PATHS: Final = (PATH_PREFETCH, PATH_WRITE_BACK, PATH_SEND, PATH_RECEIVE)
 
 # Outcomes of one guarded transfer.
 OUTCOME_OK: Final = "ok"
@@ -157,5 +158,6 @@ EVENT_SIGNAL_DROPPED: Final = "kvobs.signal.dropped"
 # Environment variables kvobs itself reads (the OTEL_* and PROMETHEUS_MULTIPROC_DIR ones are standard).
 ENV_ENABLED: Final = "KVOBS_ENABLED"
 ENV_LOCK_TIMEOUT: Final = "KVOBS_LOCK_TIMEOUT"
+ENV_TRANSFER_DEADLINE: Final = "KVOBS_TRANSFER_DEADLINE"
 ENV_LOCK_DIR: Final = "KVOBS_LOCK_DIR"
 ENV_MULTIPROC_DIR: Final = "PROMETHEUS_MULTIPROC_DIR"

@@ -1,23 +1,50 @@
-"""Argument checks that run before the lock is touched, so a bad call can never leak or hold it."""
+"""Argument checks that run before the lock is touched, so a bad call can never leak or hold it.
+
+They accept what real engines pass and still reject what is wrong:
+
+- FastDeploy builds storage keys for *full* blocks only while it allocates ceil(tokens / block_size)
+  blocks, so a transfer may carry one key fewer than block ids (the partial last block has no key);
+- vLLM's hybrid models list the same block ids once per KV-cache group (`[9, 10, 9, 10]` with
+  `group_sizes=[2, 2]`): ids repeat across groups, never within one;
+- SGLang passes token-slot indices; with `page_size` they map to pages (a page is `page_size` slots).
+"""
 
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence, Set
+from typing import Any, NamedTuple
 
 from kvobs.errors import TransferRejected
 
 
-def block_id_list(path: str, block_ids: Any) -> list[int]:
-    """Block ids as a list of Python ints: lists, tuples, ranges, numpy arrays and 1-D integer tensors."""
-    if isinstance(block_ids, (str, bytes)) or not hasattr(block_ids, "__len__"):
-        raise TransferRejected(path, f"block ids must be a sequence of ints, got {type(block_ids).__name__}")
-    tolist = getattr(block_ids, "tolist", None)
-    if tolist is not None and not isinstance(block_ids, (list, tuple)):
-        if getattr(block_ids, "ndim", 1) != 1:
-            raise TransferRejected(path, f"block ids must be one-dimensional, got shape {tuple(block_ids.shape)}")
-        block_ids = tolist()
+class Blocks(NamedTuple):
+    """The blocks of one transfer.
+
+    ids: the ids as given (block ids, or token slots with a page size), as Python ints.
+    distinct: sorted distinct block (page) ids: what the lock claims and the integrity check reads.
+    count: blocks the transfer moves, for metrics: one per id (a block of each KV group counts), or one
+        per distinct page for token slots.
+    """
+
+    ids: list[int]
+    distinct: tuple[int, ...]
+    count: int
+
+
+def block_id_list(path: str, block_ids: Any, what: str = "block ids") -> list[int]:
+    """Ids as a list of Python ints: lists, tuples, ranges, and 1-D integer arrays or tensors (NumPy, torch,
+    Paddle). None, sets, mappings, strings and iterators are refused: their order or length is not the call's."""
+    if block_ids is None:
+        raise TransferRejected(path, f"{what} resolved to None; pass a sequence of ints (empty if none)")
+    if isinstance(block_ids, (list, tuple, range)):
+        pass
+    elif hasattr(block_ids, "tolist") and hasattr(block_ids, "ndim"):  # NumPy, torch, Paddle
+        if block_ids.ndim != 1:
+            raise TransferRejected(path, f"{what} must be one-dimensional, got shape {tuple(block_ids.shape)}")
+        block_ids = block_ids.tolist()
+    elif isinstance(block_ids, (str, bytes, Set, Mapping)) or not isinstance(block_ids, Sequence):
+        raise TransferRejected(path, f"{what} must be a sequence of ints, got {type(block_ids).__name__}")
     if all(type(b) is int for b in block_ids):
         return block_ids if isinstance(block_ids, list) else list(block_ids)
     ids = []
@@ -31,38 +58,79 @@ def block_id_list(path: str, block_ids: Any) -> list[int]:
     return ids
 
 
-def validate_transfer(
-    path: str,
-    keys: Any,
-    block_ids: Any,
-    is_sync: Any,
-    *,
-    sync_required: bool,
-    capacity: int | None,
-) -> list[int] | None:
-    """Raise TransferRejected naming the first problem; return the block ids as ints (None when not given)."""
-    if is_sync is not None and sync_required:
-        if not isinstance(is_sync, bool):
-            raise TransferRejected(path, f"is_sync must be a bool, got {type(is_sync).__name__} {is_sync!r}")
-        if not is_sync:
-            raise TransferRejected(
-                path,
-                "asynchronous transfers are not supported on this path (is_sync=False); "
-                "the cache lock would be released before the transfer completes",
-            )
-    if keys is not None and (isinstance(keys, (str, bytes)) or not isinstance(keys, Sequence)):
+def validate_sync(path: str, is_sync: Any, *, sync_required: bool, completes_later: bool) -> None:
+    """`is_sync=False` is refused on a sync-only path unless the guard keeps the transfer open until its
+    completion arrives (then the lock covers the copy, which is the point of refusing otherwise)."""
+    if is_sync is None or not sync_required:
+        return
+    if not isinstance(is_sync, bool):
+        raise TransferRejected(path, f"is_sync must be a bool, got {type(is_sync).__name__} {is_sync!r}")
+    if not is_sync and not completes_later:
+        raise TransferRejected(
+            path,
+            "asynchronous transfers (is_sync=False) need the guard to stay open until the copy completes "
+            "(complete_later=...); otherwise the cache lock would be released before the copy",
+        )
+
+
+def validate_keys(path: str, keys: Any, blocks: Blocks | None, *, paired: bool) -> None:
+    """Keys are a sequence; paired one-to-one with block ids, except that the last block may lack one."""
+    if keys is None:
+        return
+    if isinstance(keys, (str, bytes)) or not isinstance(keys, Sequence):
         raise TransferRejected(path, f"keys must be a sequence of storage keys, got {type(keys).__name__}")
-    if block_ids is None:
-        return None
+    if blocks is None or not paired:
+        return
+    n_ids = len(blocks.ids)
+    if not n_ids - 1 <= len(keys) <= n_ids:
+        raise TransferRejected(
+            path,
+            f"{len(keys)} storage keys but {n_ids} block ids; every full block needs a key "
+            "(only the last, partial block may lack one)",
+        )
+
+
+def resolve_blocks(
+    path: str,
+    block_ids: Any,
+    *,
+    capacity: int | None,
+    page_size: int | None = None,
+    group_sizes: Any = None,
+) -> Blocks:
+    """Validate ids and derive the distinct blocks; raise TransferRejected naming the first problem."""
     ids = block_id_list(path, block_ids)
-    if keys is not None and len(keys) != len(ids):
-        raise TransferRejected(path, f"{len(keys)} storage keys but {len(ids)} block ids; they must pair up")
     if ids and min(ids) < 0:
         raise TransferRejected(path, f"block id {min(ids)} is negative")
+    if page_size is not None:
+        return _token_slots(path, ids, page_size, capacity)
     if capacity is not None and ids and max(ids) >= capacity:
         raise TransferRejected(path, f"block id {max(ids)} is out of range for a cache of {capacity} blocks")
+    if group_sizes is None:
+        _no_duplicates(path, ids, "block id")
+        return Blocks(ids, tuple(sorted(ids)), len(ids))
+    sizes = block_id_list(path, group_sizes, "group sizes")
+    if any(s < 0 for s in sizes) or sum(sizes) != len(ids):
+        raise TransferRejected(path, f"group sizes {sizes} must be non-negative and add up to the {len(ids)} block ids")
+    start = 0
+    for group, size in enumerate(sizes):
+        _no_duplicates(path, ids[start : start + size], f"KV group {group}: block id")
+        start += size
+    return Blocks(ids, tuple(sorted(set(ids))), len(ids))
+
+
+def _token_slots(path: str, slots: list[int], page_size: int, capacity: int | None) -> Blocks:
+    if capacity is not None and slots and max(slots) >= capacity * page_size:
+        raise TransferRejected(
+            path, f"token slot {max(slots)} is out of range for a cache of {capacity} pages of {page_size} slots"
+        )
+    _no_duplicates(path, slots, "token slot")
+    pages = tuple(sorted({s // page_size for s in slots}))
+    return Blocks(slots, pages, len(pages))
+
+
+def _no_duplicates(path: str, ids: list[int], what: str) -> None:
     if len(set(ids)) != len(ids):
         seen: set[int] = set()
-        dup = next(b for b in ids if b in seen or seen.add(b))
-        raise TransferRejected(path, f"block id {dup} appears more than once")
-    return ids
+        dup = next(b for b in ids if b in seen or seen.add(b))  # type: ignore[func-returns-value]
+        raise TransferRejected(path, f"{what} {dup} appears more than once")

@@ -106,7 +106,7 @@ def test_event_loop_keeps_running_while_waiting_for_the_lock(cap):
 
 def test_async_context_manager(cap):
     async def main():
-        async with cap.observer.prefetch(block_ids=[1, 2]):
+        async with cap.observer.transfer("prefetch", block_ids=[1, 2]):
             await asyncio.sleep(0.01)
 
     asyncio.run(main())

@@ -179,7 +179,7 @@ def test_ten_thousand_random_faults_leak_no_lock(rig):
         use_cm = rng.random() < 0.3
         try:
             if use_cm:
-                with obs.write_back(block_ids=[i % 7]):
+                with obs.transfer("write_back", block_ids=[i % 7]):
                     armed.trip("body")
                 result = ("written", (i % 7,))
             else:

@@ -133,36 +133,38 @@ def test_lock_held_gauge_grows_while_a_holder_is_stuck(cap):
 
 
 def test_context_manager_forms(cap):
-    with cap.observer.write_back(block_ids=[1, 2], keys=["k1", "k2"]):
+    with cap.observer.transfer("write_back", block_ids=[1, 2], keys=["k1", "k2"]):
         assert not lock_is_free_from_other_thread(cap.observer.lock)
     assert lock_is_free(cap.observer.lock)
     with pytest.raises(ValueError, match="boom"):
-        with cap.observer.send(block_ids=[5]):
+        with cap.observer.transfer("send", block_ids=[5]):
             raise ValueError("boom")
     assert lock_is_free(cap.observer.lock)
     assert cap.value(sc.TRANSFERS_TOTAL, path="write_back", outcome="ok") == 1
     assert cap.value(sc.TRANSFERS_TOTAL, path="send", outcome="error") == 1
-    with cap.observer.send(block_ids=[1], request_id="req-9"):
+    with cap.observer.transfer("send", block_ids=[1], request_id="req-9"):
         pass
     assert cap.spans[-1].attributes[sc.ATTR_REQUEST_ID] == "req-9"
     with pytest.raises(kvobs.TransferRejected, match="block ids must be a sequence of ints, got str"):
-        with cap.observer.send(block_ids="ids"):
+        with cap.observer.transfer("send", block_ids="ids"):
+            pass
+    with pytest.raises(TypeError, match="a guard is a decorator"):
+        with cap.observer.send(block_ids=[1]):
             pass
 
 
-def test_one_context_manager_guard_shared_by_threads(registry):
+def test_with_blocks_from_many_threads_and_a_transfer_entered_once(registry):
     obs = kvobs.KVObserver("shared", registry=registry, lock=None, integrity=None)
-    guard = obs.send(block_ids=[1])
     inside = threading.Barrier(2)
     errors = []
 
     def use():
         try:
             for _ in range(200):
-                with guard:
+                with obs.transfer("send", block_ids=[1]):
                     pass
-            with guard:
-                inside.wait(5)  # both threads inside the same guard object at once
+            with obs.transfer("send", block_ids=[1]):
+                inside.wait(5)  # both threads inside a send at once
         except Exception as exc:  # noqa: BLE001
             errors.append(exc)
 
@@ -174,6 +176,11 @@ def test_one_context_manager_guard_shared_by_threads(registry):
     assert errors == []
     assert registry.get_sample_value(
         sc.TRANSFERS_TOTAL, {"engine": "shared", "path": "send", "outcome": "ok"}) == 402
+    t = obs.transfer("send", block_ids=[2])
+    with t:
+        with pytest.raises(RuntimeError, match="already entered or begun"):
+            with t:
+                pass
 
 
 def test_methods_and_callable_specs(cap):
@@ -312,11 +319,11 @@ def test_forward_pass_lock_section_is_timed_beside_the_transfers(cap):
     try:
         short = kvobs.KVObserver("fw", registry=cap.registry, lock=obs.lock, lock_timeout=0.1, integrity=None)
         with pytest.raises(kvobs.LockTimeout, match="forward"):
-            with short.locked("forward"):
+            with short.hold("forward"):
                 pass
     finally:
         obs.lock.release()
     assert cap.registry.get_sample_value(
         sc.LOCK_TIMEOUTS_TOTAL, {"engine": "fw", "lock": "thread", "path": "forward"}) == 1
-    with pytest.raises(ValueError, match="holder='bad holder'"):
+    with pytest.raises(ValueError, match="holder='bad holder' is not declared"):
         obs.locked("bad holder")

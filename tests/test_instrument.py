@@ -37,14 +37,17 @@ def test_instrument_guards_and_undo_restores(cap):
         mgr.issue_prefetch_storage_task(Task(), is_sync=False)
     assert cap.value(sc.TRANSFERS_TOTAL, path="prefetch", outcome="ok") == 1
     assert cap.value(sc.TRANSFERS_TOTAL, path="write_back", outcome="ok") == 1
-    with pytest.raises(ValueError, match="already instrumented"):
-        kvobs.instrument(PrefixCacheManager, {"issue_prefetch_storage_task": obs.prefetch()})
+    again = kvobs.instrument(PrefixCacheManager, {"issue_prefetch_storage_task": obs.prefetch()})
+    assert again.methods == ()  # idempotent: never wrapped twice
+    mgr.issue_prefetch_storage_task(Task())
+    assert cap.value(sc.TRANSFERS_TOTAL, path="prefetch", outcome="ok") == 2
+    again()
     undo()
     undo()  # idempotent
     assert PrefixCacheManager.__dict__["issue_prefetch_storage_task"] is original
     assert "issue_write_back_storage_task" not in PrefixCacheManager.__dict__
     assert PrefixCacheManager().issue_prefetch_storage_task(Task()) == ("prefetched", [4, 5])
-    assert cap.value(sc.TRANSFERS_TOTAL, path="prefetch", outcome="ok") == 1
+    assert cap.value(sc.TRANSFERS_TOTAL, path="prefetch", outcome="ok") == 2
 
 
 def test_instrument_errors_name_the_problem(cap):
@@ -61,3 +64,31 @@ def test_instrument_as_context_manager(cap):
         PrefixCacheManager().issue_prefetch_storage_task(Task())
     assert not hasattr(PrefixCacheManager.issue_prefetch_storage_task, "__kvobs_original__")
     assert cap.value(sc.TRANSFERS_TOTAL, path="prefetch", outcome="ok") == 1
+
+
+def test_instrument_one_instance_with_self_specs_and_a_locked_section(cap):
+    obs = cap.observer
+
+    class Worker:
+        def __init__(self):
+            self.blocks = [3, 4]
+
+        def transfer(self):
+            return self.blocks
+
+        def execute_model(self):
+            return "logits"
+
+    worker, other = Worker(), Worker()
+    undo = kvobs.instrument(worker, {
+        "transfer": obs.send(block_ids="self.blocks"),
+        "execute_model": obs.locked("forward"),
+    })
+    assert worker.transfer() == [3, 4] and other.transfer() == [3, 4]
+    assert worker.execute_model() == "logits"
+    assert cap.value(sc.TRANSFER_BLOCKS_TOTAL, path="send") == 2  # only the instrumented instance counted
+    assert cap.value(sc.LOCK_HOLD_SECONDS + "_count", lock="thread", path="forward") == 1
+    undo()
+    assert "transfer" not in vars(worker)
+    worker.transfer()
+    assert cap.value(sc.TRANSFER_BLOCKS_TOTAL, path="send") == 2

@@ -77,11 +77,10 @@ def test_count_only_observes():
         assert cap.value(sc.TRANSFERS_TOTAL, path="send", outcome="ok") == 1
 
 
-@pytest.mark.parametrize("policy", ["raise", "skip"])
-def test_prefetch_checks_the_destination_after_the_load(policy):
+def test_prefetch_checks_the_destination_after_the_load():
     cache = kv_cache()
     poisoned_storage = {"k1": torch.full((4, 2, 8), float("nan"), dtype=torch.float16)}
-    with observer(policy) as cap:
+    with observer("raise") as cap:
         @cap.observer.prefetch(keys="keys", block_ids="ids", cache=lambda keys, ids: cache)
         def prefetch(keys, ids):
             for key, block in zip(keys, ids):
@@ -93,6 +92,41 @@ def test_prefetch_checks_the_destination_after_the_load(policy):
         assert info.value.bad_block_ids == (7,)
         assert cap.value(sc.NAN_CHECKS_TOTAL, path="prefetch", result="nan") == 1
         assert lock_is_free(cap.observer.lock)
+
+
+def test_prefetch_skip_returns_the_policy_result_instead_of_raising():
+    """A pool thread that must still send the engine's done signal: "nothing loaded, recompute"."""
+    cache = kv_cache()
+    with observer(IntegrityPolicy("skip", skip_result=[])) as cap:
+        @cap.observer.prefetch(block_ids="ids", cache=cache, result=lambda loaded: loaded)
+        def prefetch(ids, poisoned=False):
+            if poisoned:
+                cache[ids[0]] = float("nan")
+            return list(ids)
+
+        assert prefetch([7, 8], poisoned=True) == []
+        assert prefetch([9]) == [9]
+        assert cap.value(sc.TRANSFERS_TOTAL, path="prefetch", outcome="rejected") == 1
+        assert cap.value(sc.NAN_CHECKS_TOTAL, path="prefetch", result="nan") == 1
+        assert lock_is_free(cap.observer.lock)
+
+
+def test_on_corrupt_decides_what_the_call_returns():
+    cache = kv_cache()
+    cache[2] = float("nan")
+    seen = []
+    with observer("raise") as cap:
+        def report(transfer, bad_ids):
+            seen.append((transfer.path, bad_ids))
+            return "reported"
+
+        @cap.observer.write_back(block_ids="ids", cache=cache, on_corrupt=report)
+        def write_back(ids):
+            raise AssertionError("a corrupt write-back must not run")
+
+        assert write_back([1, 2]) == "reported"
+        assert seen == [("write_back", (2,))]
+        assert cap.value(sc.TRANSFERS_TOTAL, path="write_back", outcome="rejected") == 1
 
 
 def test_checks_cover_per_layer_key_value_lists_and_block_dim():
@@ -139,21 +173,25 @@ def test_per_path_policy_and_per_guard_override():
 
         assert send([3]) == "sent"
         assert unchecked_write([3]) == "written"
-        assert prefetch([3]) == "loaded"  # no policy for prefetch in the mapping: not checked
+        with pytest.raises(CorruptKVError):  # left out of the mapping: prefetch keeps the default, "raise"
+            prefetch([3])
         assert cap.value(sc.NAN_CHECKS_TOTAL, path="write_back", result="nan") == 0
-        assert cap.value(sc.NAN_CHECKS_TOTAL, path="prefetch", result="nan") == 0
+        assert cap.value(sc.NAN_CHECKS_TOTAL, path="prefetch", result="nan") == 1
 
 
-def test_a_check_that_fails_releases_the_lock_and_raises_its_error():
+def test_a_cache_that_cannot_be_checked_is_rejected_before_the_lock():
     with observer("raise") as cap:
+        ran = []
+
         @cap.observer.write_back(block_ids="ids", cache=lambda ids: "not a tensor")
         def write_back(ids):
-            return "written"
+            ran.append(ids)
 
-        with pytest.raises(TypeError):
+        with pytest.raises(kvobs.TransferRejected, match="cache cannot be checked"):
             write_back([1])
+        assert ran == []
         assert lock_is_free(cap.observer.lock)
-        assert cap.value(sc.TRANSFERS_TOTAL, path="write_back", outcome="error") == 1
+        assert cap.value(sc.TRANSFERS_TOTAL, path="write_back", outcome="rejected") == 1
 
 
 def test_context_manager_skip_raises_because_a_body_cannot_be_skipped():
@@ -161,7 +199,7 @@ def test_context_manager_skip_raises_because_a_body_cannot_be_skipped():
     cache[1] = float("nan")
     with observer("skip") as cap:
         with pytest.raises(CorruptKVError):
-            with cap.observer.write_back(block_ids=[1], cache=cache):
+            with cap.observer.transfer("write_back", block_ids=[1], cache=cache):
                 raise AssertionError("the body must not run")
         assert lock_is_free(cap.observer.lock)
 

@@ -31,7 +31,7 @@ BAD_CALLS = [
     ("str ids", dict(keys=None, ids="12"), "block ids must be a sequence of ints, got str"),
     ("2-D tensor", dict(keys=None, ids=torch.zeros(2, 2, dtype=torch.int64)), "must be one-dimensional"),
     ("keys as a str", dict(keys="abc", ids=[1, 2, 3]), "keys must be a sequence of storage keys, got str"),
-    ("async call", dict(keys=None, ids=[1], is_sync=False), "asynchronous transfers are not supported"),
+    ("async call", dict(keys=None, ids=[1], is_sync=False), "asynchronous transfers (is_sync=False) need"),
     ("non-bool sync", dict(keys=None, ids=[1], is_sync="yes"), "is_sync must be a bool"),
     ("missing attribute", dict(keys=None, ids=None, task=object()), "object object has no attribute 'keys'"),
 ]
@@ -44,7 +44,7 @@ def test_bad_input_is_rejected_before_the_lock(cap, path, name, call, message):
                            integrity=None)
     ran = []
 
-    @obs.transfer(path, keys="task.keys", block_ids="task.gpu_block_ids", sync="is_sync")
+    @obs.guard(path, keys="task.keys", block_ids="task.gpu_block_ids", sync="is_sync")
     def transfer(task, is_sync=True):
         ran.append(task)
 
@@ -129,9 +129,9 @@ def test_lock_timeout_from_environment(registry, monkeypatch):
 def test_unknown_path_for_transfer_and_extra_paths(registry):
     obs = kvobs.KVObserver("paths", registry=registry, extra_paths=["swap_in"], integrity=None)
     with pytest.raises(ValueError, match="unknown transfer path 'swap'"):
-        obs.transfer("swap")
+        obs.guard("swap")
 
-    @obs.transfer("swap_in", block_ids="ids")
+    @obs.guard("swap_in", block_ids="ids")
     def swap_in(ids):
         return 1
 

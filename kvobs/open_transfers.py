@@ -1,0 +1,144 @@
+"""The transfers holding the cache lock now: counted per path, found by key, abandoned past their deadline.
+
+A transfer enters when it acquires the lock and leaves in the same C-level step that releases it (its
+removal is one of its undo steps, see `kvobs.atomic`), so the counts never disagree with the lock. A
+transfer is findable by key only once every undo step is recorded: nothing is pushed after another thread
+may end it. One daemon thread per process abandons open transfers past their deadline (`due`); it holds
+observers' tables weakly and is restarted in a forked child, where the parent's open transfers are
+forgotten.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import operator
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from itertools import compress
+from time import perf_counter
+from typing import Any, Protocol
+
+from kvobs.atomic import Held
+
+_MIN_SLEEP_S = 0.005
+_MAX_SLEEP_S = 0.5
+
+
+class Abandonable(Protocol):
+    path: str
+    t_begin: float
+    due: float  # perf_counter() time past which the transfer is abandoned
+
+    def abandon(self) -> None: ...
+
+
+class OpenTransfers:
+    """One observer's open transfers. Every mutation is a single dict operation (atomic under the GIL)."""
+
+    def __init__(self, paths: tuple[str, ...], deadline_s: float) -> None:
+        self._seq = itertools.count()
+        self.by_path: dict[str, dict[int, Abandonable]] = {p: {} for p in paths}
+        self.by_key: dict[tuple[str, Any], Abandonable] = {}
+        _REAPER.watch(self, deadline_s)
+
+    def enter(self, held: Held, t: Abandonable) -> None:
+        """Count `t` as open until its undo steps run."""
+        seq = next(self._seq)
+        table = self.by_path[t.path]
+        undo = functools.partial(table.pop, seq, None)
+        table[seq] = t
+        held.appendleft(undo)
+
+    def claim_key(self, held: Held, path: str, key: Any, t: Abandonable) -> bool:
+        """Register `t` under (path, key) unless another open transfer has it; False for a duplicate."""
+        slot = (path, key)
+        undo = functools.partial(self.by_key.pop, slot, None)
+        before = len(held)
+        inserted = map(functools.partial(operator.is_, t), map(self.by_key.setdefault, (slot,), (t,)))
+        held.extendleft(compress((undo,), inserted))
+        return len(held) != before
+
+    def find(self, path: str, key: Any) -> Abandonable | None:
+        return self.by_key.get((path, key))
+
+    def count(self, path: str) -> int:
+        return len(self.by_path[path])
+
+    def oldest_age(self, path: str) -> float:
+        """Seconds since the oldest open transfer on `path` began; 0.0 when none is open."""
+        try:
+            oldest = next(iter(self.by_path[path].values()), None)
+        except RuntimeError:  # the table changed while being read (another thread): report none this time
+            return 0.0
+        return 0.0 if oldest is None else max(0.0, perf_counter() - oldest.t_begin)
+
+    def expired(self, now: float) -> list[Abandonable]:
+        """Open transfers past their deadline."""
+        due_now: list[Abandonable] = []
+        for table in list(self.by_path.values()):
+            try:
+                due_now.extend(t for t in table.values() if t.due <= now)
+            except RuntimeError:  # changed by another thread while read: the next round looks again
+                pass
+        return due_now
+
+    def forget(self) -> None:
+        """In a forked child: the parent's open transfers are not this process's."""
+        self.by_key.clear()
+        for table in self.by_path.values():
+            table.clear()
+
+
+class _Reaper:
+    """One daemon thread per process abandoning open transfers past their deadline.
+
+    It polls (at a quarter of the shortest deadline, within [5 ms, 0.5 s]) rather than being woken, so
+    nothing on the transfers' hot path takes a lock: a Python-level lock taken on the main thread could
+    itself be leaked by an asynchronous exception. The thread starts with the first observer.
+    """
+
+    def __init__(self) -> None:
+        self._tables: weakref.WeakSet[OpenTransfers] = weakref.WeakSet()
+        self._interval = _MAX_SLEEP_S
+        self._thread: threading.Thread | None = None
+
+    def watch(self, table: OpenTransfers, deadline_s: float) -> None:
+        self._tables.add(table)
+        self._interval = min(self._interval, max(deadline_s / 4, _MIN_SLEEP_S))
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="kvobs-transfer-deadlines", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self._interval)
+            now = perf_counter()
+            for table in list(self._tables):
+                for t in table.expired(now):
+                    _abandon_quietly(t.abandon)
+
+    def after_fork_in_child(self) -> None:
+        """The thread did not survive the fork, and the parent's open transfers are not the child's."""
+        self._thread = None
+        tables = list(self._tables)
+        for table in tables:
+            table.forget()
+        if tables:
+            self._thread = threading.Thread(target=self._run, name="kvobs-transfer-deadlines", daemon=True)
+            self._thread.start()
+
+
+def _abandon_quietly(abandon: Callable[[], None]) -> None:
+    """The reaper must outlive any one transfer's failure to record its abandonment."""
+    try:
+        abandon()
+    except Exception:  # noqa: BLE001 - abandon() counts its own telemetry failures; nothing else may stop the thread
+        pass
+
+
+_REAPER = _Reaper()
+os.register_at_fork(after_in_child=_REAPER.after_fork_in_child)

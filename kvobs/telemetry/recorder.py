@@ -1,0 +1,321 @@
+"""What the transfer lifecycle reports, turned into metrics, spans, logs and hook calls.
+
+The lifecycle calls one method per transition that matters (rejected, timed out, conflict, checked, ended);
+this layer never calls back into it, and never raises into the engine: a failing exporter, metric, logger
+or hook is counted (and logged once) instead. Attribute work happens only for a span that records, and log
+formatting only at a level that is emitted.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from opentelemetry import propagate, trace
+from opentelemetry.trace import Status, StatusCode
+
+from kvobs import semconv as sc
+from kvobs.telemetry.logs import trace_fields
+from kvobs.telemetry.tracing import TracerSource
+
+MAX_IDS_ON_SPAN = 64
+_LEVEL = {
+    sc.OUTCOME_OK: logging.DEBUG,
+    sc.OUTCOME_REJECTED: logging.WARNING,
+    sc.OUTCOME_TIMEOUT: logging.WARNING,
+    sc.OUTCOME_ABANDONED: logging.WARNING,
+    sc.OUTCOME_ERROR: logging.ERROR,
+}
+
+
+@dataclass(frozen=True)
+class TransferRecord:
+    """What one transfer did, handed to the observer's hooks once it ended, whatever the outcome."""
+
+    engine: str
+    path: str
+    outcome: str
+    duration_s: float
+    lock_wait_s: float
+    lock_hold_s: float
+    blocks: int
+    bytes: int
+    error: BaseException | None
+    bad_block_ids: tuple[int, ...]
+    request_id: Any = None
+    key: Any = None
+
+
+class Ended(Protocol):
+    """The view of a transfer this layer reads (the lifecycle's Transfer provides it)."""
+
+    path: str
+    outcome: str | None
+    request_id: Any
+    key: Any
+    keys: Any
+    nbytes: int | None
+    error: BaseException | None
+    bad_block_ids: tuple[int, ...]
+    span: Any
+    trace_context: Any  # a carrier from another node: {"traceparent": ..., "tracestate": ...}
+    t_begin: float
+    t_acquired: float
+    t_end: float
+    blocks: Any  # kvobs.validation.Blocks | None
+
+    def moved_blocks(self) -> Any: ...
+
+
+Hook = Callable[[TransferRecord], None]
+
+
+class Recorder:
+    """Telemetry for one (engine, path or lock holder). `metrics` is None when telemetry is disabled (hooks
+    still run); `holder=True` records lock wait and hold only, as a holder that is not a transfer."""
+
+    def __init__(
+        self,
+        engine: str,
+        path: str,
+        *,
+        metrics: Any,
+        tracer_source: TracerSource | None,
+        logger: Any,
+        log_level: int,
+        hooks: Iterable[Hook],
+        failures: Callable[[str, BaseException], None],
+        lock_name: str,
+        block_bytes: int | None = None,
+        holder: bool = False,
+    ) -> None:
+        self.engine = engine
+        self.path = path
+        self.metrics = metrics
+        self.tracer_source = tracer_source if metrics is not None else None
+        self.logger = logger
+        self.log_level = log_level if metrics is not None else logging.CRITICAL + 1
+        self.hooks = tuple(hooks)
+        self.failed = failures
+        self.holder = holder
+        self.traces = self.tracer_source is not None and not holder
+        self.block_bytes = block_bytes or 0
+        self.lock_name = lock_name
+        self.span_name = sc.span_name(path)
+        self._static = {sc.ATTR_ENGINE: engine, sc.ATTR_PATH: path, sc.ATTR_LOCK_NAME: lock_name}
+
+    # -- spans ------------------------------------------------------------------------------------------
+
+    def start_span(self, t: Ended) -> Any:
+        """A span for the transfer (not made current), or None when nothing traces. With a W3C trace context
+        carried from another node (`t.trace_context`), the span continues that trace."""
+        try:
+            tracer = self.tracer_source.get()
+            if tracer is None:
+                return None
+            parent = propagate.extract(t.trace_context) if t.trace_context else None
+            span = tracer.start_span(self.span_name, context=parent, attributes=self._static)
+            if span.is_recording():
+                span.set_attributes(self._start_attributes(t))
+            return span
+        except Exception as exc:  # noqa: BLE001 - telemetry never breaks the engine
+            self.failed("tracing", exc)
+            return None
+
+    def _start_attributes(self, t: Ended) -> dict[str, Any]:
+        attrs: dict[str, Any] = {}
+        if t.blocks is not None:
+            attrs[sc.ATTR_BLOCKS] = t.blocks.count
+            attrs[sc.ATTR_BLOCK_IDS] = t.blocks.ids[:MAX_IDS_ON_SPAN]
+        if t.keys is not None:
+            attrs[sc.ATTR_KEYS] = [str(k) for k in t.keys[:MAX_IDS_ON_SPAN]]
+        if t.request_id is not None:
+            attrs[sc.ATTR_REQUEST_ID] = str(t.request_id)
+        return attrs
+
+    def carrier(self, span: Any) -> dict[str, str]:
+        """The W3C trace context (`traceparent`, `tracestate`) of `span`, to travel with a transfer's metadata
+        to the node that receives it; empty when nothing traces."""
+        carrier: dict[str, str] = {}
+        if span is None:
+            return carrier
+        try:
+            propagate.inject(carrier, context=trace.set_span_in_context(span))
+        except Exception as exc:  # noqa: BLE001
+            self.failed("tracing", exc)
+        return carrier
+
+    # -- transitions ------------------------------------------------------------------------------------
+
+    def rejected(self, t: Ended) -> None:
+        if self.metrics is not None:
+            try:
+                self.metrics.rejected()
+            except Exception as exc:  # noqa: BLE001
+                self.failed("metrics", exc)
+        self._log(logging.WARNING, "kvobs.transfer.rejected", t, None, reason=_describe(t.error))
+        self._hooks(t)
+
+    def timed_out(self, t: Ended) -> None:
+        waited = t.t_acquired - t.t_begin
+        if self.metrics is not None:
+            try:
+                if self.holder:
+                    self.metrics.timed_out(waited)
+                else:
+                    self.metrics.timed_out(waited, self._exemplar(t.span))
+            except Exception as exc:  # noqa: BLE001
+                self.failed("metrics", exc)
+        span = t.span
+        self._end_span(t)
+        self._log(logging.WARNING, "kvobs.lock.timeout", t, span, lock=self.lock_name, waited_s=waited)
+        self._hooks(t)
+
+    def conflicted(self, holder_path: str) -> None:
+        if self.metrics is not None and not self.holder:
+            try:
+                self.metrics.conflicted(holder_path)
+            except Exception as exc:  # noqa: BLE001
+                self.failed("metrics", exc)
+
+    def checked(self, t: Ended, result: Any, policy: str) -> None:
+        """One NaN/Inf check; a finding also becomes a span event and an error log."""
+        if self.metrics is not None:
+            try:
+                self.metrics.checked(result.result, len(result.bad_block_ids))
+            except Exception as exc:  # noqa: BLE001
+                self.failed("metrics", exc)
+        if result.clean:
+            return
+        bad = list(result.bad_block_ids[:MAX_IDS_ON_SPAN])
+        if t.span is not None:
+            try:
+                t.span.add_event(sc.EVENT_INTEGRITY_BAD_BLOCKS, {sc.ATTR_BAD_BLOCK_IDS: bad})
+            except Exception as exc:  # noqa: BLE001
+                self.failed("tracing", exc)
+        self._log(logging.ERROR, "kvobs.integrity.bad_blocks", t, t.span, result=result.result,
+                  bad_blocks=len(result.bad_block_ids), bad_block_ids=bad, policy=policy)
+
+    def ended(self, t: Ended) -> None:
+        """The transfer is over (ok, error or abandoned): one record of everything."""
+        try:
+            self._ended(t)
+        except Exception as exc:  # noqa: BLE001 - whatever this layer gets wrong, the engine's call is unaffected
+            self.failed("metrics", exc)
+
+    def _ended(self, t: Ended) -> None:
+        duration, wait, hold = _timings(t)
+        blocks, nbytes = self._moved(t)
+        if self.metrics is not None:
+            try:
+                if self.holder:
+                    self.metrics.held(wait, hold, None)
+                else:
+                    self.metrics.finished(t.outcome, duration, wait, hold, blocks, nbytes, self._exemplar(t.span))
+            except Exception as exc:  # noqa: BLE001
+                self.failed("metrics", exc)
+        span = t.span
+        if span is not None:
+            try:
+                if span.is_recording():
+                    span.set_attributes({sc.ATTR_LOCK_WAIT_S: wait, sc.ATTR_LOCK_HOLD_S: hold,
+                                         sc.ATTR_OUTCOME: t.outcome, sc.ATTR_BYTES: nbytes})
+            except Exception as exc:  # noqa: BLE001
+                self.failed("tracing", exc)
+            self._end_span(t)
+        level = _LEVEL.get(t.outcome, logging.ERROR)
+        if level >= self.log_level:
+            self._log(level, "kvobs.transfer", t, span, outcome=t.outcome, blocks=blocks, duration_s=duration,
+                      lock_wait_s=wait, lock_hold_s=hold, error=_describe(t.error))
+        self._hooks(t)
+
+    # -- helpers ----------------------------------------------------------------------------------------
+
+    def _exemplar(self, span: Any) -> dict[str, str] | None:
+        if span is None:
+            return None
+        try:
+            return trace_fields(span) if span.is_recording() else None
+        except Exception as exc:  # noqa: BLE001
+            self.failed("tracing", exc)
+            return None
+
+    def _end_span(self, t: Ended) -> None:
+        """Error status and `error.type` on failure; the exception's text is read defensively (its __str__
+        or __repr__ may raise) and the span is always ended."""
+        span = t.span
+        if span is None:
+            return
+        t.span = None
+        try:
+            error = t.error
+            if error is not None and span.is_recording():
+                span.set_attribute(sc.ATTR_ERROR_TYPE, type(error).__qualname__)
+                span.set_status(Status(StatusCode.ERROR, _describe(error)))
+                span.record_exception(error)
+            elif t.outcome == sc.OUTCOME_ABANDONED and span.is_recording():
+                span.set_attribute(sc.ATTR_ERROR_TYPE, sc.OUTCOME_ABANDONED)
+                span.set_status(Status(StatusCode.ERROR, "never completed before its deadline"))
+        except Exception as exc:  # noqa: BLE001
+            self.failed("tracing", exc)
+        finally:
+            try:
+                span.end()
+            except Exception as exc:  # noqa: BLE001
+                self.failed("tracing", exc)
+
+    def _log(self, level: int, event: str, t: Ended, span: Any, **fields: Any) -> None:
+        if level < self.log_level:
+            return
+        try:
+            if span is not None:
+                fields.update(trace_fields(span))
+            if t.request_id is not None:
+                fields["request_id"] = t.request_id
+            if t.key is not None:
+                fields["key"] = t.key
+            method = logging.getLevelName(level).lower()
+            getattr(self.logger, method)(event, engine=self.engine, path=self.path, **fields)
+        except Exception as exc:  # noqa: BLE001
+            self.failed("logging", exc)
+
+    def _moved(self, t: Ended) -> tuple[int, int]:
+        """(blocks, bytes) the transfer moved: a call's own `nbytes`, else blocks x the observer's block size."""
+        blocks = t.moved_blocks()
+        count = blocks.count if blocks is not None else 0
+        return count, t.nbytes if t.nbytes is not None else count * self.block_bytes
+
+    def _hooks(self, t: Ended) -> None:
+        if not self.hooks:
+            return
+        duration, wait, hold = _timings(t)
+        blocks, nbytes = self._moved(t)
+        record = TransferRecord(self.engine, self.path, t.outcome, duration, wait, hold, blocks, nbytes,
+                                t.error, tuple(t.bad_block_ids), t.request_id, t.key)
+        for hook in self.hooks:
+            try:
+                hook(record)
+            except Exception as exc:  # noqa: BLE001
+                self.failed("hook", exc)
+
+
+def _timings(t: Ended) -> tuple[float, float, float]:
+    """(duration, lock wait, lock hold) in seconds; zeros for a transfer refused before it waited."""
+    begin, acquired = t.t_begin, t.t_acquired
+    if not acquired:
+        return 0.0, 0.0, 0.0
+    end = t.t_end
+    return end - begin, acquired - begin, max(0.0, end - acquired)
+
+
+def _describe(error: BaseException | None) -> str | None:
+    """`repr(error)`, or a fallback naming its type when the exception's own __repr__ raises."""
+    if error is None:
+        return None
+    try:
+        return repr(error)
+    except Exception:  # noqa: BLE001 - an exception whose repr raises must still be reported
+        return f"<{type(error).__qualname__} (repr failed)>"
+

@@ -1,0 +1,437 @@
+"""One transfer from its begin to its end: the only code in kvobs that takes and releases the cache lock and
+records an outcome. Every entry point (decorators, `with`, `obs.begin`, `obs.complete`, `obs.locked`)
+drives this class.
+
+States: new -> waiting -> held -> (submitted) -> done | failed | abandoned, or rejected / timed_out.
+A transfer may end on another thread than the one that began it (the copy completes in a pool thread, on a
+later engine step, on an acknowledgement). Exactly one caller ends it, through a one-shot token, and the
+lock is released through the one-shot undo steps of `kvobs.atomic`, so a late or racing completion changes
+nothing and releases nothing twice, and an asynchronous exception can never leak the lock. No transfer
+holds its lock past the route's deadline: the deadline thread abandons it.
+
+Integrity checks run when the data is there: the sources of a reading transfer (write-back, send) once the
+lock is held and before the copy starts; the destinations of a writing transfer (prefetch) at completion,
+on the blocks that actually moved.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import deque
+from collections.abc import Callable
+from contextvars import ContextVar
+from dataclasses import dataclass
+from itertools import islice
+from time import perf_counter
+from typing import Any
+
+from kvobs import async_wait
+from kvobs import semconv as sc
+from kvobs.atomic import one_shot_release
+from kvobs.cache_checks import CacheCheck
+from kvobs.errors import CorruptKVError, LockTimeout, ReentrantLockError, TransferRejected
+from kvobs.locks import CacheLock, Claim
+from kvobs.open_transfers import OpenTransfers
+from kvobs.policy import IntegrityPolicy, Sampler
+from kvobs.telemetry.recorder import Recorder
+from kvobs.validation import Blocks, resolve_blocks, validate_keys, validate_sync
+
+NEW, WAITING, HELD, SUBMITTED = "new", "waiting", "held", "submitted"
+DONE, FAILED, ABANDONED, REJECTED, TIMED_OUT = "done", "failed", "abandoned", "rejected", "timed_out"
+UNSET: Any = object()
+_HOLDING = (HELD, SUBMITTED)
+_ONE_TOKEN = (True,)
+
+# Transfers holding a lock for the code running in this context (decorated calls and with-blocks), so a
+# nested guarded call on the same lock fails at once instead of waiting for itself. Entries that have ended
+# are ignored and pruned, so one left behind by an interrupted exit does no harm.
+_ACTIVE: ContextVar[tuple[Transfer, ...]] = ContextVar("kvobs_active_transfers", default=())
+
+CorruptHandler = Callable[["Transfer", tuple[int, ...]], Any]
+
+
+@dataclass(eq=False)
+class Route:
+    """Everything a transfer on one path of one observer needs; built once per path by the observer."""
+
+    engine: str
+    path: str
+    lock: CacheLock
+    lock_timeout: float
+    deadline_s: float
+    reads_blocks: bool  # write-back, send: shared claims, sources checked at begin
+    policy: IntegrityPolicy | None
+    sampler: Sampler | None
+    capacity: int | None
+    block_bytes: int | None
+    page_size: int | None
+    sync_required: bool
+    recorder: Recorder
+    open: OpenTransfers | None  # None for lock holders that are not transfers (the forward pass)
+    caches: CacheCheck
+
+    def __post_init__(self) -> None:
+        self.whole_cache = Claim(self.path, (), not self.reads_blocks)
+        self.conflicted = self.recorder.conflicted
+
+
+class Transfer:
+    """One transfer. Built by `KVObserver.begin` / `transfer` / `hold`, and by guards for each call.
+
+    Public read-only attributes: `path`, `state`, `outcome`, `error`, `blocks` (validated `Blocks`, or None),
+    `request_id`, `key`, `keys`, `bad_block_ids`, `span`, `skipped`.
+    """
+
+    # Class-level defaults: a transfer sets only what differs, so creating one stays cheap on the hot path.
+    keys: Any = None
+    cache: Any = None
+    nbytes: int | None = None
+    request_id: Any = None
+    key: Any = None
+    trace_context: dict[str, str] | None = None
+    moved_from: Callable[[Any], Any] | None = None
+    on_corrupt: CorruptHandler | None = None
+    state = NEW
+    outcome: str | None = None
+    error: BaseException | None = None
+    bad_block_ids: tuple[int, ...] = ()
+    span: Any = None
+    t_begin = t_acquired = t_end = 0.0
+    due = float("inf")
+    blocks: Blocks | None = None
+    claim: Claim | None = None
+    skipped_result: Any = UNSET
+    _held: Any = ()
+    _release: Callable[[], Any] = staticmethod(tuple)  # nothing is held before acquire: a C-level no-op
+    _moved: Blocks | None = None
+    _cache_info: Any = None
+
+    def __init__(self, route: Route, **values: Any) -> None:
+        """`values`: keys, cache, nbytes, request_id, key, trace_context, moved_from, on_corrupt (validated by
+        `validate`)."""
+        self.route = route
+        self.path = route.path
+        self._ending = iter(_ONE_TOKEN)
+        if values:
+            for name, value in values.items():
+                if value is not None:
+                    setattr(self, name, value)
+
+    # -- validation: before anything is locked ------------------------------------------------------------
+
+    def validate(self, *, block_ids: Any = UNSET, sync: Any = None, group_sizes: Any = None,
+                 completes_later: bool = False) -> Transfer:
+        """Check every input; a problem is recorded and raised as TransferRejected, with nothing held."""
+        route = self.route
+        if block_ids is UNSET and sync is None and self.keys is None and self.cache is None \
+                and self.key is None and self.nbytes is None:
+            self.claim = route.whole_cache
+            return self
+        try:
+            validate_sync(self.path, sync, sync_required=route.sync_required, completes_later=completes_later)
+            if block_ids is not UNSET:
+                self.blocks = resolve_blocks(self.path, block_ids, capacity=route.capacity,
+                                             page_size=route.page_size, group_sizes=group_sizes)
+            validate_keys(self.path, self.keys, self.blocks, paired=route.page_size is None and group_sizes is None)
+            self._validate_nbytes()
+            self._validate_cache()
+            self._validate_key()
+        except TransferRejected as exc:
+            self.reject(exc)
+            raise
+        blocks = self.blocks
+        self.claim = route.whole_cache if blocks is None else Claim(self.path, blocks.distinct, not route.reads_blocks)
+        return self
+
+    def _validate_nbytes(self) -> None:
+        n = self.nbytes
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+            raise TransferRejected(self.path, f"nbytes must be a non-negative int, got {n!r}")
+
+    def _validate_cache(self) -> None:
+        route = self.route
+        if self.cache is None or route.policy is None:
+            return
+        self._cache_info = info = route.caches.inspect(self.path, self.cache)
+        if self.blocks is not None and self.blocks.distinct and self.blocks.distinct[-1] >= info.num_blocks:
+            raise TransferRejected(
+                self.path, f"block id {self.blocks.distinct[-1]} is out of range for a cache of {info.num_blocks} blocks"
+            )
+
+    def _validate_key(self) -> None:
+        if self.key is None:
+            return
+        try:
+            hash(self.key)
+        except TypeError:
+            raise TransferRejected(self.path, f"key {self.key!r} is not hashable") from None
+        if self.route.open is not None and self.route.open.find(self.path, self.key) is not None:
+            raise TransferRejected(self.path, f"a {self.path} transfer is already open under key {self.key!r}")
+
+    def reject(self, exc: BaseException) -> None:
+        """Refused before holding anything (bad input, re-entry): recorded once, nothing to release."""
+        mine: list = []
+        mine.extend(islice(self._ending, 1))
+        if mine:
+            self.state, self.outcome, self.error = REJECTED, sc.OUTCOME_REJECTED, exc
+            self.route.recorder.rejected(self)
+
+    # -- acquisition ----------------------------------------------------------------------------------------
+
+    def acquire(self, *, skippable: bool = False) -> None:
+        """Wait for the lock (timed), then check the sources of a reading transfer.
+
+        From then on the transfer is abandoned if it has not ended within the route's deadline, whether its
+        copy goes on elsewhere or the issuing call itself hangs: no lock is held longer than that.
+        skippable: the caller can leave its copy out when the sources are corrupt (a decorated call);
+        `skipped` then says so, instead of CorruptKVError being raised.
+        """
+        route = self._start_waiting()
+        acquired = route.lock.acquire_into(self._held, self.claim, route.lock_timeout, route.conflicted)
+        self._after_wait(acquired, skippable)
+
+    async def acquire_async(self, *, skippable: bool = False) -> None:
+        """`acquire` without blocking the event loop; cancelling it never leaves the lock held."""
+        route = self._start_waiting()
+        acquired = await async_wait.acquire_async(
+            route.lock, self._held, self.claim, route.lock_timeout, route.conflicted
+        )
+        self._after_wait(acquired, skippable)
+
+    def _start_waiting(self) -> Route:
+        route = self.route
+        if _ACTIVE.get():
+            self._refuse_reentry()
+        held = self._held = deque()
+        self._release = one_shot_release(held)
+        self.state = WAITING
+        if route.recorder.traces:
+            self.span = route.recorder.start_span(self)
+        self.t_begin = perf_counter()
+        return route
+
+    def _refuse_reentry(self) -> None:
+        lock = self.route.lock
+        for other in _ACTIVE.get():
+            if other.route.lock is lock and other.holds() and lock.overlaps(other.claim, self.claim):
+                exc = ReentrantLockError(lock.name, self.path, other.path)
+                self.reject(exc)
+                raise exc
+
+    def _after_wait(self, acquired: bool, skippable: bool) -> None:
+        self.t_acquired = now = perf_counter()
+        if not acquired:
+            self._time_out()
+        route = self.route
+        self.state = HELD
+        table = route.open
+        if table is not None:
+            table.enter(self._held, self)
+            if self.key is not None and not table.claim_key(self._held, self.path, self.key, self):
+                self._release()
+                exc = TransferRejected(self.path, f"a {self.path} transfer is already open under key {self.key!r}")
+                self.reject(exc)
+                raise exc
+            self.due = now + route.deadline_s
+        if route.reads_blocks and route.policy is not None:
+            self.skipped_result = self._check(self.blocks, can_replace=skippable)
+
+    def _time_out(self) -> None:
+        route = self.route
+        waited = self.t_acquired - self.t_begin
+        exc = LockTimeout(route.lock.name, waited, self.path)
+        mine: list = []
+        mine.extend(islice(self._ending, 1))
+        self._release()
+        if mine:
+            self.state, self.outcome, self.error, self.t_end = TIMED_OUT, sc.OUTCOME_TIMEOUT, exc, self.t_acquired
+            route.recorder.timed_out(self)
+        raise exc
+
+    def carrier(self) -> dict[str, str]:
+        """This transfer's W3C trace context, to send with the transfer's metadata to the receiving node,
+        whose `obs.begin("receive", ..., trace_context=...)` continues the same trace. Empty when not traced."""
+        return self.route.recorder.carrier(self.span)
+
+    def holds(self) -> bool:
+        """Whether this transfer holds its lock now."""
+        return self.state in _HOLDING and bool(self._held)
+
+    @property
+    def skipped(self) -> bool:
+        """The sources were corrupt and the policy chose to leave the copy out (see `skip()`)."""
+        return self.skipped_result is not UNSET
+
+    # -- the code running under the transfer -----------------------------------------------------------------
+
+    def enter_context(self) -> tuple[Transfer, ...]:
+        """Mark this transfer active in the current context; returns what to restore on exit."""
+        previous = _ACTIVE.get()
+        _ACTIVE.set(tuple(t for t in previous if t.holds()) + (self,) if previous else (self,))
+        return previous
+
+    @staticmethod
+    def leave_context(previous: tuple[Transfer, ...]) -> None:
+        _ACTIVE.set(previous)
+
+    def forget_context(self) -> None:
+        """Remove this transfer from the current context's active ones, whichever context that is."""
+        active = _ACTIVE.get()
+        if self in active:
+            _ACTIVE.set(tuple(t for t in active if t is not self))
+
+    def submitted(self) -> None:
+        """The issuing call returned and the copy goes on elsewhere, until `complete()` or the deadline."""
+        if self.state == HELD:
+            self.state = SUBMITTED
+
+    # -- `with obs.transfer(...)` / `async with` ------------------------------------------------------------
+
+    def __enter__(self) -> Transfer:
+        self._refuse_reuse()
+        try:
+            self.acquire()
+            self.enter_context()
+        except BaseException as exc:
+            self._release()
+            self.fail(exc)
+            raise
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        """Completes (checking a writing transfer's destinations) or fails; safe in any thread or context."""
+        if exc is not None:
+            self._release()
+            self.fail(exc)
+        self.forget_context()
+        if exc is None:
+            self.complete()
+
+    async def __aenter__(self) -> Transfer:
+        self._refuse_reuse()
+        try:
+            await self.acquire_async()
+            self.enter_context()
+        except BaseException as exc:
+            self._release()
+            self.fail(exc)
+            raise
+        return self
+
+    async def __aexit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        self.__exit__(exc_type, exc, tb)
+
+    def _refuse_reuse(self) -> None:
+        if self.state != NEW:
+            raise RuntimeError(f"{self!r} was already entered or begun; create a new one per transfer")
+
+    # -- ending: exactly once, from any thread -----------------------------------------------------------
+
+    def complete(self, result: Any = None, *, moved: Any = None) -> Any:
+        """The copy is done. Checks the destinations of a writing transfer on the blocks that moved (`moved`,
+        else the guard's `result=` spec applied to `result`, else all), releases the lock, records the outcome.
+
+        Returns `result`, or the replacement chosen by the integrity policy (`skip`'s result, `on_corrupt`'s
+        return value) when the moved blocks are corrupt; the `raise` policy raises CorruptKVError instead.
+        A transfer that already ended (abandoned past its deadline, or completed twice) is left as it is and
+        `result` comes back unchanged.
+        """
+        mine: list = []
+        try:
+            mine.extend(islice(self._ending, 1))
+            if not mine:
+                return result
+            result = self._finish(result, moved)
+        except BaseException as exc:
+            if mine:
+                self.state, self.outcome, self.error = FAILED, sc.OUTCOME_ERROR, exc
+            raise
+        finally:
+            if mine:
+                self._release()
+                self._ended()
+        return result
+
+    def fail(self, error: BaseException) -> bool:
+        """The copy failed (or the issuing code raised): release and record `error`. False if already ended."""
+        mine: list = []
+        try:
+            mine.extend(islice(self._ending, 1))
+            if mine:
+                self.state, self.outcome, self.error = FAILED, sc.OUTCOME_ERROR, error
+        finally:
+            if mine:
+                self._release()
+                self._ended()
+        return bool(mine)
+
+    def abandon(self) -> None:
+        """Past its deadline (called by the deadline thread): release, count `abandoned`, log a warning."""
+        self._end_as(ABANDONED, sc.OUTCOME_ABANDONED)
+
+    def skip(self) -> Any:
+        """End a transfer whose copy was left out (`skipped`); returns the result the policy chose."""
+        self._end_as(DONE, sc.OUTCOME_REJECTED)
+        return self.skipped_result
+
+    def _end_as(self, state: str, outcome: str) -> None:
+        mine: list = []
+        try:
+            mine.extend(islice(self._ending, 1))
+            if mine:
+                self.state, self.outcome = state, outcome
+        finally:
+            if mine:
+                self._release()
+                self._ended()
+
+    def _finish(self, result: Any, moved: Any) -> Any:
+        route = self.route
+        if moved is None and self.moved_from is not None:
+            moved = self.moved_from(result)
+        if moved is not None:
+            self._moved = resolve_blocks(self.path, moved, capacity=route.capacity, page_size=route.page_size)
+        self.state, self.outcome = DONE, sc.OUTCOME_OK
+        if not route.reads_blocks and route.policy is not None:
+            replacement = self._check(self._moved or self.blocks, can_replace=True)
+            if replacement is not UNSET:
+                self.outcome = sc.OUTCOME_REJECTED
+                return replacement
+        return result
+
+    def _ended(self) -> None:
+        if self.outcome is None:  # the ending code was interrupted before it said how it ended
+            self.state, self.outcome = FAILED, sc.OUTCOME_ERROR
+        self.t_end = perf_counter()
+        if async_wait.waiting:
+            async_wait.wake_waiters(self.route.lock)
+        self.route.recorder.ended(self)
+
+    # -- integrity ----------------------------------------------------------------------------------------
+
+    def _check(self, blocks: Blocks | None, *, can_replace: bool) -> Any:
+        """NaN/Inf check of `blocks` under the lock. Returns the result that replaces a corrupt transfer's
+        (`on_corrupt`'s, or `skip`'s), or UNSET when clean; raises CorruptKVError for `raise`, and for
+        anything else when the caller's code cannot be replaced (a with-block, `obs.begin`)."""
+        route = self.route
+        if self.cache is None or blocks is None or not blocks.distinct or not route.sampler.should_check():
+            return UNSET
+        result = route.caches.check(self._cache_info, blocks.distinct)
+        route.recorder.checked(self, result, route.policy.mode)
+        if result.clean or route.policy.mode == "count":
+            return UNSET
+        self.bad_block_ids = result.bad_block_ids
+        if can_replace and self.on_corrupt is not None:
+            return self.on_corrupt(self, self.bad_block_ids)
+        if can_replace and route.policy.mode == "skip":
+            return copy.copy(route.policy.skip_result)
+        raise CorruptKVError(self.path, result)
+
+    # -- what the recorder reads --------------------------------------------------------------------------
+
+    def moved_blocks(self) -> Blocks | None:
+        """The blocks that moved: what completion said, else all the transfer's blocks."""
+        return self._moved if self._moved is not None else self.blocks
+
+    def __repr__(self) -> str:
+        return f"<kvobs.Transfer {self.path} {self.state} key={self.key!r} request_id={self.request_id!r}>"
