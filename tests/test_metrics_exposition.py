@@ -106,12 +106,13 @@ def drive(metrics: tm.EngineMetrics, ref: Reference | None) -> None:
         forward = metrics.holder(sc.HOLDER_FORWARD)
         forward.held(s(40), s(9000), EX1)
         forward.held(s(41), s(9100), None)
-        forward.timed_out(s(1 << 21))
+        forward.timed_out(s(1 << 21), EX2)
         metrics.signals[sc.SIGNAL_RECOVERED].inc()
         metrics.signals[sc.SIGNAL_RECOVERED].inc(2)
         metrics.signal_buffered.observe(s(77))
         metrics.signal_buffered.observe(0.005)
         metrics.signal_buffered.observe(math.nan)
+        metrics.signal_buffered.observe_many([s(5), 0.01, s(1 << 30)])
         metrics.count_telemetry_error("hook")
         return
     ref.timed_out(send, s(3 << 20), EX2)
@@ -126,11 +127,13 @@ def drive(metrics: tm.EngineMetrics, ref: Reference | None) -> None:
     ref.lock_wait.labels(ENGINE, LOCK, sc.HOLDER_FORWARD).observe(s(41))
     ref.lock_hold.labels(ENGINE, LOCK, sc.HOLDER_FORWARD).observe(s(9100))
     ref.lock_timeouts.labels(ENGINE, LOCK, sc.HOLDER_FORWARD).inc()
-    ref.lock_wait.labels(ENGINE, LOCK, sc.HOLDER_FORWARD).observe(s(1 << 21))
+    ref.lock_wait.labels(ENGINE, LOCK, sc.HOLDER_FORWARD).observe(s(1 << 21), EX2)
     ref.signals.labels(ENGINE, sc.SIGNAL_RECOVERED).inc(3)
     ref.signal_buffered.labels(ENGINE).observe(s(77))
     ref.signal_buffered.labels(ENGINE).observe(0.005)
     ref.signal_buffered.labels(ENGINE).observe(math.nan)
+    for value in (s(5), 0.01, s(1 << 30)):
+        ref.signal_buffered.labels(ENGINE).observe(value)
     ref.telemetry_errors.labels(ENGINE, "hook").inc()
 
 

@@ -79,27 +79,33 @@ class HistogramCell:
             if exemplar:
                 self.set_exemplar(amount, exemplar, time.time())
 
+    def observe_many(self, amounts: Iterable[float]) -> None:
+        """Many observations in one step (a buffer flushing what it tallied): one lock, one sort."""
+        with self.lock:
+            self.commit(*self.prepare(list(amounts))[1:])
+
     def add(self, amount: float) -> None:
         """One observation; the caller holds `lock`. NaN joins the sum but no bucket, as in prometheus_client."""
         self.sum += amount
         if amount == amount:
             self.buckets[bisect_left(self.bounds, amount)] += 1
 
-    def prepare(self, values: Sequence[float]) -> Batch:
-        """Many observations, worked out without changing anything (the caller holds `lock`); `commit` applies
-        them. Sorting once and cutting the sorted values at each bound costs far less than one bisect and
-        one increment per value. Raises (changing nothing) on a value that is not a number."""
-        total = sum(values, self.sum)
+    def prepare(self, values: list[float]) -> Batch:
+        """Many observations, worked out without changing this cell (the caller holds `lock`); `commit`
+        applies them. Sorting once and cutting the sorted values at each bound costs far less than one bisect
+        and one increment per value. `values` is sorted in place. Raises, changing nothing, on a value that
+        is not a number."""
+        total = sum(values, self.sum)  # in the order observed, as one `observe` after another would add
         if total != total:  # a NaN among them (or in the sum already): a NaN joins no bucket
             values = [v for v in values if v == v]
-        ordered = sorted(values)
+        values.sort()
         increments = []
-        remaining = len(ordered)
+        remaining = len(values)
         below = 0
         for index, bound in enumerate(self.bounds):
             if not remaining:
                 break
-            upto = bisect_right(ordered, bound)
+            upto = bisect_right(values, bound)
             if upto != below:
                 increments.append((index, upto - below))
                 remaining -= upto - below

@@ -1,13 +1,15 @@
-"""Per-thread record buffers: the recording thread appends a tuple, the accumulators are updated in batches.
+"""Per-thread record buffers: the recording thread appends its values, the accumulators are updated in batches.
 
-Why: a transfer's telemetry is seven values into three histograms and three counters. Appending one tuple
-to the calling thread's own list takes no lock and costs about as much as a bare `with threading.Lock()`;
-the binning happens once per batch, sorted and cut at the bucket bounds, when a buffer holds `DRAIN_AT`
-records or when the registry is scraped (so scrapes always see every record).
+Why: a transfer's telemetry is seven values into three histograms and three counters. Extending the calling
+thread's own flat list with one record takes no lock and costs about as much as a bare
+`with threading.Lock()`; the binning happens once per batch (each field is one strided slice of the flat
+list; each histogram's values are sorted once and cut at the bucket bounds), when a buffer holds
+`DRAIN_AT` records or when the registry is scraped, so scrapes always see every record.
 
-Correctness rests on two atomic list operations: the owning thread only ever appends, and a drainer takes
-the first `k` records with one slice and removes exactly those with one `del`, so a record appended in
-between stays for the next drain. Drainers serialise on the families' lock.
+Correctness rests on atomic list operations: the owning thread only ever extends its list by whole records
+(one `extend` per record), and a drainer takes the first `k` values with one slice and removes exactly those
+with one `del`, so a record added in between stays for the next drain. Drainers serialise on the families'
+lock.
 """
 
 from __future__ import annotations
@@ -16,30 +18,31 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-DRAIN_AT = 1024
+DRAIN_AT = 1024  # records per thread before the recording thread folds them in itself
 
-Record = tuple[Any, ...]
+Flat = list[Any]
 
 
 class ThreadBuffers:
-    """One list per recording thread. `apply(records)` folds a batch into the accumulators; it runs under
-    `lock` and must not raise (failures are the caller's to count)."""
+    """One flat list per recording thread, of records `width` values wide. `apply(values)` folds a batch (a
+    flat list holding whole records) into the accumulators; it runs under `lock` and must not raise."""
 
-    def __init__(self, apply: Callable[[list[Record]], None], lock: threading.Lock) -> None:
+    def __init__(self, width: int, apply: Callable[[Flat], None], lock: threading.Lock) -> None:
         self.local = threading.local()
+        self.full = DRAIN_AT * width  # buffer length at which the recording thread folds it in
         self.lock = lock
         self._apply = apply
-        self._buffers: list[tuple[threading.Thread, list[Record]]] = []
+        self._buffers: list[tuple[threading.Thread, Flat]] = []
 
-    def new_buffer(self) -> list[Record]:
+    def new_buffer(self) -> Flat:
         """This thread's buffer, created on its first record."""
-        buffer: list[Record] = []
-        self.local.records = buffer
+        buffer: Flat = []
+        self.local.values = buffer
         with self.lock:
             self._buffers.append((threading.current_thread(), buffer))
         return buffer
 
-    def drain(self, buffer: list[Record]) -> None:
+    def drain(self, buffer: Flat) -> None:
         """Fold `buffer` in now (the owning thread, when it is full)."""
         with self.lock:
             self._take(buffer)
@@ -49,15 +52,15 @@ class ThreadBuffers:
         ended are dropped once empty."""
         kept = []
         for thread, buffer in self._buffers:
-            alive = thread.is_alive()  # asked first: an ended thread appends nothing after it
+            alive = thread.is_alive()  # asked first: an ended thread adds nothing after it
             self._take(buffer)
             if alive:
                 kept.append((thread, buffer))
         self._buffers = kept
 
-    def _take(self, buffer: list[Record]) -> None:
+    def _take(self, buffer: Flat) -> None:
         count = len(buffer)
         if count:
-            records = buffer[:count]
+            values = buffer[:count]
             del buffer[:count]
-            self._apply(records)
+            self._apply(values)

@@ -351,59 +351,56 @@ class PathMetrics:
 
 
 class BufferedPathMetrics(PathMetrics):
-    """Single-process PathMetrics: `finished` appends one tuple to the calling thread's buffer; batches are
+    """Single-process PathMetrics: `finished` adds one record to the calling thread's buffer; batches are
     folded into the accumulators when a buffer is full and at every scrape."""
 
     def __init__(self, families: MetricFamilies, engine: str, lock_name: str, path: str, failed: Failed) -> None:
         super().__init__(families, engine, lock_name, path, failed)
-        self._buffers = ThreadBuffers(self._apply, families.lock)
+        self._buffers = ThreadBuffers(_TRANSFER_WIDTH, self._apply, families.lock)
         self._local = self._buffers.local
+        self._full = self._buffers.full
         families.add_buffers(self._buffers)
 
     def finished(self, outcome: str, duration_s: float, wait_s: float, hold_s: float, blocks: int, nbytes: int,
                  exemplar: dict[str, str] | None = None) -> None:
         try:
-            records = self._local.records
+            values = self._local.values
         except AttributeError:
-            records = self._buffers.new_buffer()
-        records.append((outcome, duration_s, wait_s, hold_s, blocks, nbytes, exemplar and (exemplar, time.time())))
-        if len(records) >= DRAIN_AT:
-            self._buffers.drain(records)
+            values = self._buffers.new_buffer()
+        values.extend((outcome, duration_s, wait_s, hold_s, blocks, nbytes, exemplar and (exemplar, _now())))
+        if len(values) >= self._full:
+            self._buffers.drain(values)
 
-    def _apply(self, records: list[tuple[Any, ...]]) -> None:
+    def _apply(self, values: list[Any]) -> None:
         """Fold a batch in (under the families' lock). A batch that cannot be folded as a whole is folded one
         record at a time; a record that cannot be is counted and dropped, never the batch."""
-        try:
-            _commit(self._prepare(records))
-        except Exception:  # noqa: BLE001 - a bad record must not cost the others
-            for record in records:
-                try:
-                    _commit(self._prepare([record]))
-                except Exception as exc:  # noqa: BLE001
-                    self._failed("metrics", exc)
+        _apply_or_split(self._prepare, values, _TRANSFER_WIDTH, self._failed)
 
-    def _prepare(self, records: list[tuple[Any, ...]]) -> _Prepared:
-        outcomes, durations, waits, holds, blocks, nbytes, exemplars = zip(*records)
-        count = len(records)
-        batches = [self.lock_wait.prepare(waits), self.lock_hold.prepare(holds)]
+    def _prepare(self, values: list[Any]) -> _Prepared:
+        """Fields of the flat records (outcome, duration, wait, hold, blocks, bytes, exemplar) by slicing."""
+        w = _TRANSFER_WIDTH
+        outcomes = values[0::w]
+        count = len(outcomes)
+        batches = [self.lock_wait.prepare(values[2::w]), self.lock_hold.prepare(values[3::w])]
         if outcomes.count(sc.OUTCOME_OK) == count:
-            batches.append(self.duration[sc.OUTCOME_OK].prepare(durations))
-            moved_blocks, moved_bytes = _total(blocks), _total(nbytes)
+            batches.append(self.duration[sc.OUTCOME_OK].prepare(values[1::w]))
+            moved_blocks, moved_bytes = _total(values[4::w]), _total(values[5::w])
             increments = [(self.transfers[sc.OUTCOME_OK], count)]
         else:
             by_outcome: dict[str, list[float]] = {}
-            for outcome, duration in zip(outcomes, durations):
+            for outcome, duration in zip(outcomes, values[1::w]):
                 by_outcome.setdefault(outcome, []).append(duration)
             increments = []
-            for outcome, values in by_outcome.items():
-                batches.append(self.duration[outcome].prepare(values))
-                increments.append((self.transfers[outcome], len(values)))
+            for outcome, durations in by_outcome.items():
+                batches.append(self.duration[outcome].prepare(durations))
+                increments.append((self.transfers[outcome], len(durations)))
             ok = [outcome == sc.OUTCOME_OK for outcome in outcomes]
-            moved_blocks, moved_bytes = _total(compress(blocks, ok)), _total(compress(nbytes, ok))
+            moved_blocks, moved_bytes = _total(list(compress(values[4::w], ok))), _total(list(compress(values[5::w], ok)))
         increments += [(self.blocks, moved_blocks), (self.bytes, moved_bytes)]
         marks = []
+        exemplars = values[6::w]
         if exemplars.count(None) != count:
-            for outcome, duration, wait, exemplar in zip(outcomes, durations, waits, exemplars):
+            for outcome, duration, wait, exemplar in zip(outcomes, values[1::w], values[2::w], exemplars):
                 if exemplar:
                     labels, timestamp = exemplar
                     marks += [(self.lock_wait, wait, labels, timestamp),
@@ -431,52 +428,64 @@ class HolderMetrics:
             self.lock_wait.observe(wait_s)
         self.lock_hold.observe(hold_s)
 
-    def timed_out(self, waited_s: float) -> None:
-        """The holder gave up after `waited_s`."""
+    def timed_out(self, waited_s: float, exemplar: dict[str, str] | None = None) -> None:
+        """The holder gave up after `waited_s` (`exemplar` goes on the wait)."""
         self.lock_timeouts.inc()
-        self.lock_wait.observe(waited_s)
+        if exemplar and self._exemplars:
+            self.lock_wait.observe(waited_s, exemplar)
+        else:
+            self.lock_wait.observe(waited_s)
 
 
 class BufferedHolderMetrics(HolderMetrics):
-    """Single-process HolderMetrics: `held` appends to the calling thread's buffer, like BufferedPathMetrics."""
+    """Single-process HolderMetrics: `held` adds to the calling thread's buffer, like BufferedPathMetrics."""
 
     def __init__(self, families: MetricFamilies, engine: str, lock_name: str, holder: str, failed: Failed) -> None:
         super().__init__(families, engine, lock_name, holder, failed)
-        self._buffers = ThreadBuffers(self._apply, families.lock)
+        self._buffers = ThreadBuffers(_HOLDER_WIDTH, self._apply, families.lock)
         self._local = self._buffers.local
+        self._full = self._buffers.full
         families.add_buffers(self._buffers)
 
     def held(self, wait_s: float, hold_s: float, exemplar: dict[str, str] | None = None) -> None:
         try:
-            records = self._local.records
+            values = self._local.values
         except AttributeError:
-            records = self._buffers.new_buffer()
-        records.append((wait_s, hold_s, exemplar and (exemplar, time.time())))
-        if len(records) >= DRAIN_AT:
-            self._buffers.drain(records)
+            values = self._buffers.new_buffer()
+        values.extend((wait_s, hold_s, exemplar and (exemplar, _now())))
+        if len(values) >= self._full:
+            self._buffers.drain(values)
 
-    def _apply(self, records: list[tuple[Any, ...]]) -> None:
-        try:
-            _commit(self._prepare(records))
-        except Exception:  # noqa: BLE001 - a bad record must not cost the others
-            for record in records:
-                try:
-                    _commit(self._prepare([record]))
-                except Exception as exc:  # noqa: BLE001
-                    self._failed("metrics", exc)
+    def _apply(self, values: list[Any]) -> None:
+        _apply_or_split(self._prepare, values, _HOLDER_WIDTH, self._failed)
 
-    def _prepare(self, records: list[tuple[Any, ...]]) -> _Prepared:
-        waits, holds, exemplars = zip(*records)
-        marks = [(self.lock_wait, wait, *exemplar) for wait, exemplar in zip(waits, exemplars) if exemplar]
-        return [self.lock_wait.prepare(waits), self.lock_hold.prepare(holds)], [], marks
+    def _prepare(self, values: list[Any]) -> _Prepared:
+        """Fields of the flat records (wait, hold, exemplar) by slicing."""
+        marks = [(self.lock_wait, wait, *exemplar) for wait, exemplar in zip(values[0::3], values[2::3]) if exemplar]
+        return [self.lock_wait.prepare(values[0::3]), self.lock_hold.prepare(values[1::3])], [], marks
 
 
+_TRANSFER_WIDTH = 7  # outcome, duration, wait, hold, blocks, bytes, (exemplar, time) or None
+_HOLDER_WIDTH = 3  # wait, hold, (exemplar, time) or None
+_now = time.time
 _Prepared = tuple[list[Any], list[tuple[CounterCell, float]], list[tuple[HistogramCell, float, dict[str, str], float]]]
 
 
-def _total(amounts: Iterable[Any]) -> int:
+def _apply_or_split(prepare: Callable[[list[Any]], _Prepared], values: list[Any], width: int,
+                    failed: Failed) -> None:
+    """Fold a batch in whole; if it cannot be, fold its records one at a time, counting each that cannot."""
+    try:
+        _commit(prepare(values))
+    except Exception:  # noqa: BLE001 - a bad record must not cost the others
+        for start in range(0, len(values), width):
+            try:
+                _commit(prepare(values[start:start + width]))
+            except Exception as exc:  # noqa: BLE001
+                failed("metrics", exc)
+
+
+def _total(amounts: list[Any]) -> int:
     """The sum of per-record counts, refusing a negative one (a counter never goes down)."""
-    amounts = list(amounts)
     if amounts and min(amounts) < 0:
         raise ValueError(f"negative count among {amounts[:8]}: counters never go down")
     return sum(amounts)
