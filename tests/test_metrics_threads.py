@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 import threading
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -138,3 +141,42 @@ def test_records_of_ended_threads_are_kept_and_their_buffers_dropped():
     assert registry.get_sample_value(sc.TRANSFERS_TOTAL, {"engine": "ended", "path": "write_back",
                                                           "outcome": "ok"}) == 60
     assert write._buffers._buffers == []  # nothing kept for threads that are gone
+
+
+FORK_WHILE_LOCKED = textwrap.dedent("""
+    import os, threading
+    from prometheus_client import CollectorRegistry
+    from kvobs.telemetry.metrics import EngineMetrics, MetricFamilies
+
+    registry = CollectorRegistry()
+    metrics = EngineMetrics(MetricFamilies.of(registry), "forked", "cache")
+    send = metrics.path("send")
+    inside, leave = threading.Event(), threading.Event()
+
+    def hold(lock):
+        with lock:  # another thread inside a drain or a scrape at the moment of the fork
+            inside.set()
+            leave.wait()
+
+    for lock in (metrics.families.lock, metrics.families.failure_lock):
+        inside.clear()
+        threading.Thread(target=hold, args=(lock,), daemon=True).start()
+        inside.wait()
+    pid = os.fork()
+    if pid == 0:
+        for _ in range(3000):  # more than a buffer holds: the child folds records in itself
+            send.finished("ok", 0.5, 0.0, 0.5, 1, 1, None)
+        metrics.signals["ready"].inc()
+        metrics.count_telemetry_error("hook")
+        print(registry.get_sample_value("kvobs_transfers_total",
+                                        {"engine": "forked", "path": "send", "outcome": "ok"}), flush=True)
+        os._exit(0)
+    os.waitpid(pid, 0)
+    leave.set()
+""")
+
+
+def test_a_child_forked_while_another_thread_held_the_metrics_locks_records_and_scrapes():
+    out = subprocess.run([sys.executable, "-c", FORK_WHILE_LOCKED], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[-1] == "3000.0"  # after the failure's log line

@@ -672,6 +672,7 @@ def _show_process_failures(families: MetricFamilies) -> None:
 
 
 def _after_fork_in_child() -> None:
+    MetricFamilies._create_lock = threading.Lock()
     for families in list(MetricFamilies._live):
         families._after_fork_in_child()
     cell = _process_export_cell()
