@@ -37,7 +37,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Sequence
-from itertools import repeat, tee
+from itertools import islice, repeat, tee
 from types import TracebackType
 from typing import Any, NamedTuple
 
@@ -102,6 +102,11 @@ class BlockLock:
 
     Every process of the engine opens it by the same `name` and `num_blocks` (the first one creates the
     lock file; `attach` only opens an existing one; pickling attaches). Linux only (OFD locks, kernel 3.15+).
+
+    Each run of consecutive ids costs one kernel call (about a microsecond). `coalesce_gap=g` locks runs
+    separated by at most `g` unclaimed blocks as one range: fewer calls for a fragmented batch, at the price
+    of also claiming those gap blocks (a transfer touching only them waits for the claim). 0, the default,
+    claims exactly the blocks asked for.
     """
 
     def __init__(
@@ -111,9 +116,13 @@ class BlockLock:
         *,
         directory: str | os.PathLike[str] | None = None,
         create: bool = True,
+        coalesce_gap: int = 0,
     ) -> None:
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or not 1 <= num_blocks <= _MAX_BLOCKS:
             raise ValueError(f"num_blocks must be an int from 1 to {_MAX_BLOCKS}, got {num_blocks!r}")
+        if isinstance(coalesce_gap, bool) or not isinstance(coalesce_gap, int) or coalesce_gap < 0:
+            raise ValueError(f"coalesce_gap must be an int >= 0, got {coalesce_gap!r}")
+        self.coalesce_gap = coalesce_gap
         self.directory = lock_directory(directory)
         self.path = lock_path(name, self.directory, _SUFFIX)
         self.name = name
@@ -147,7 +156,8 @@ class BlockLock:
 
     def __reduce__(self) -> tuple[Any, ...]:
         # A spawned worker attaches by name to the same file; it never creates one.
-        return functools.partial(BlockLock.attach, directory=self.directory), (self.name, self.num_blocks)
+        attach = functools.partial(BlockLock, directory=self.directory, create=False, coalesce_gap=self.coalesce_gap)
+        return attach, (self.name, self.num_blocks)
 
     def _start_process_state(self) -> None:
         """Fresh per-process containers: undo steps copied from elsewhere keep pointing at the old ones."""
@@ -176,12 +186,19 @@ class BlockLock:
         return True
 
     def overlaps(self, a: Claim, b: Claim) -> bool:
-        """Claims exclude each other when at least one is exclusive and their blocks meet (no blocks: all)."""
+        """Claims exclude each other when at least one is exclusive and the blocks they lock meet (no blocks:
+        all; with `coalesce_gap`, the gap blocks they lock count too)."""
         if not (a.exclusive or b.exclusive):
             return False
         if not a.blocks or not b.blocks:
             return True
-        return not set(a.blocks).isdisjoint(b.blocks)
+        return not self._locked_blocks(a).isdisjoint(self._locked_blocks(b))
+
+    def _locked_blocks(self, claim: Claim) -> set[int]:
+        if not self.coalesce_gap:
+            return set(claim.blocks)
+        plan = self._plan(claim)
+        return {block for start, length in zip(plan.starts, plan.lengths) for block in range(start, start + length)}
 
     def held_for(self) -> float:
         """Seconds the oldest claim this process holds now has been held; 0.0 when it holds none."""
@@ -224,21 +241,32 @@ class BlockLock:
             raise ValueError(
                 f"block ids of {self.name!r} must be ints from 0 to {self.num_blocks - 1}; got {first!r}..{last!r}"
             )
+        count = len(blocks)
+        if last - first == count - 1 and all(map(operator.lt, blocks, islice(blocks, 1, None))):
+            starts, lengths = [first], [count]  # one run: checked in C, no per-id bytecode
+        else:
+            starts, lengths = self._runs(blocks)
+        kind = fcntl.F_WRLCK if claim.exclusive else fcntl.F_RDLCK
+        requests = list(map(functools.partial(ofd.FLOCK.pack, kind, os.SEEK_SET), starts, lengths, repeat(0)))
+        return _Plan(requests, starts, lengths, count)
+
+    def _runs(self, blocks: tuple[int, ...]) -> tuple[list[int], list[int]]:
+        """(starts, lengths) of the runs of consecutive ids (gaps up to `coalesce_gap` bridged)."""
+        first = blocks[0]
         starts = [first]
         ends = []
         expected = first
+        gap = self.coalesce_gap
         for block in blocks:
             if block != expected:
                 if block < expected:
                     raise ValueError(f"block ids must be sorted and distinct; {block!r} follows {expected - 1!r}")
-                ends.append(expected)
-                starts.append(block)
+                if block - expected > gap:
+                    ends.append(expected)
+                    starts.append(block)
             expected = block + 1
         ends.append(expected)
-        lengths = list(map(operator.sub, ends, starts))
-        kind = fcntl.F_WRLCK if claim.exclusive else fcntl.F_RDLCK
-        requests = list(map(functools.partial(ofd.FLOCK.pack, kind, os.SEEK_SET), starts, lengths, repeat(0)))
-        return _Plan(requests, starts, lengths, len(blocks))
+        return starts, list(map(operator.sub, ends, starts))
 
     def _take_description(self, held: Held) -> int:
         """Pop an idle description and push its return to the pool, in one C call; open one if none is idle."""

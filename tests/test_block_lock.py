@@ -231,6 +231,8 @@ def test_overlaps(lock: BlockLock, a: Claim, b: Claim, expected: bool) -> None:
     [
         ((3, 2), "sorted and distinct"),
         ((1, 2, 2, 3), "sorted and distinct"),
+        ((1, 3, 2, 4), "sorted and distinct"),  # spans exactly len(ids) blocks, yet is not one run
+        ((1, 2, 2, 4), "sorted and distinct"),
         ((-1, 0), "from 0 to 255"),
         ((0, NUM_BLOCKS), "from 0 to 255"),
         ((0.0,), "must be ints"),
@@ -453,3 +455,26 @@ def test_close_drops_claims_and_refuses_new_ones(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="closed"):
         claim(first, (1,))
     second.close()
+
+
+def test_coalesce_gap_locks_small_gaps_too(tmp_path: Path) -> None:
+    lock = BlockLock("gaps", 64, directory=tmp_path, coalesce_gap=2)
+    held = claim(lock, (1, 4, 10))  # 1..4 in one range (gap of 2), 10 alone (gap of 5)
+    assert held is not None
+    assert lock.blocks_claimed() == {"shared": 0, "exclusive": 3}  # the blocks asked for, not the gaps
+    assert claim(lock, (2,)) is None and claim(lock, (3,)) is None
+    assert (beyond := claim(lock, (5, 6, 7, 8, 9))) is not None
+    release_now(beyond)
+    assert lock.overlaps(Claim("a", (1, 4)), Claim("b", (3,)))  # so a context never waits on itself
+    assert not lock.overlaps(Claim("a", (1, 4)), Claim("b", (5,)))
+    copy = pickle.loads(pickle.dumps(lock))
+    assert copy.coalesce_gap == 2
+    copy.close()
+    release_now(held)
+    lock.close()
+
+
+@pytest.mark.parametrize("gap", [-1, True, 1.5])
+def test_invalid_coalesce_gap(tmp_path: Path, gap: Any) -> None:
+    with pytest.raises(ValueError, match="coalesce_gap"):
+        BlockLock("kv", 8, directory=tmp_path, coalesce_gap=gap)
