@@ -392,7 +392,13 @@ class BlockClaim:
         self._held: Held = deque()
 
     def __enter__(self) -> BlockClaim:
-        if not self.lock.acquire_into(self._held, self.claim, self.timeout):
+        try:
+            acquired = self.lock.acquire_into(self._held, self.claim, self.timeout)
+        except BaseException:
+            # Ctrl-C during the wait: `with` will not call __exit__ for an __enter__ that raised.
+            release_now(self._held)
+            raise
+        if not acquired:
             raise LockTimeout(self.lock.name, self.timeout or 0.0, self.claim.holder)
         return self
 

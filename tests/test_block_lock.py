@@ -478,3 +478,29 @@ def test_coalesce_gap_locks_small_gaps_too(tmp_path: Path) -> None:
 def test_invalid_coalesce_gap(tmp_path: Path, gap: Any) -> None:
     with pytest.raises(ValueError, match="coalesce_gap"):
         BlockLock("kv", 8, directory=tmp_path, coalesce_gap=gap)
+
+
+def test_direct_claim_interrupted_while_waiting_holds_nothing(lock: BlockLock) -> None:
+    import signal
+
+    class Interrupt(Exception):
+        pass
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise Interrupt
+
+    blocker = claim(lock, (5,), exclusive=False)
+    assert blocker is not None
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        with pytest.raises(Interrupt):
+            with lock.claim([1, 2, 5], timeout=10):  # holds 1-2 and the turnstile at 5 while it waits
+                pytest.fail("entered blocks a reader holds")
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    release_now(blocker)
+    assert idle(lock)
+    assert (everything := claim(lock, ())) is not None
+    release_now(everything)
