@@ -1,6 +1,6 @@
 """Throughput of kvobs.integrity.check_blocks against the naive check, t.sum(), and its own torch path.
 
-Usage: python benchmarks/integrity.py [--device cpu|cuda] [--repeats 7]
+Usage: python benchmarks/integrity.py [--device cpu|cuda] [--repeats 7] [--threads N]
 
 GB/s = bytes of the checked blocks / median wall time (warm-up first; contenders interleaved round by round
 so that noise from other processes hits them alike). Contenders:
@@ -65,8 +65,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--threads", type=int, help="torch intra-op threads (kvobs splits checks over as many)")
     args = parser.parse_args()
     device, reps = args.device, args.repeats
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     probe = validate_cache(torch.ones(1, 1, device=device))
     print(

@@ -41,8 +41,8 @@ _unavailable: str | None = None
 
 @dataclass(frozen=True, eq=False)
 class KernelPlan:
-    """How the kernel reads one tensor's blocks: piece p of block b starts at `b * block_stride +
-    segments[p]` in `words` and is `length` words long."""
+    """How the kernel reads one tensor's blocks: piece s of block b starts at `b * block_stride +
+    segments[s]` in `words` and is `length` words long."""
 
     words: np.ndarray  # read-only 1-D view of the tensor's memory span as unsigned ints (no copy)
     block_stride: int
@@ -61,14 +61,12 @@ class KernelPlan:
 
         ids: int64, distinct, in range; flags: uint8, one per id, shared by all the tensors of a cache.
         """
-        starts = ids * self.block_stride
-        if self.segments.shape[0] == 1:
-            starts += int(self.segments[0])
-            owners = np.arange(ids.shape[0], dtype=np.int64)
-        else:
-            starts = (starts[:, None] + self.segments[None, :]).reshape(-1)
-            owners = np.repeat(np.arange(ids.shape[0], dtype=np.int64), self.segments.shape[0])
-        _compiled.block_flags(self.words, starts, owners, self.length, *self.constants, flags)
+        # Segment by segment, so that pieces of consecutive ids that touch in memory form one run (one stream).
+        starts = (self.segments[:, None] + ids[None, :] * self.block_stride).reshape(-1)
+        owners = np.tile(np.arange(ids.shape[0], dtype=np.int64), self.segments.shape[0])
+        firsts = np.flatnonzero(np.concatenate(([True], starts[1:] != starts[:-1] + self.length)))
+        counts = np.diff(np.append(firsts, starts.shape[0]))
+        _compiled.block_flags(self.words, starts, owners, self.length, firsts, counts, *self.constants, flags)
 
 
 def unavailable_reason() -> str | None:

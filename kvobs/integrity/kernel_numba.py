@@ -47,41 +47,55 @@ def _lane_test(wide, test, acc):  # type: ignore[no-untyped-def]
 
 
 @_jit
-def _tail_is_bad(words, start, length, whole, mask, flip, test):  # type: ignore[no-untyped-def]
-    """Whether the values of a piece after its last whole 64-bit word hold anything non-finite."""
-    return _max_key(words[start + whole : start + length], mask, flip, mask ^ mask) >= test[5]
+def _run_is_bad(words, start, size, test, mask, flip, acc):  # type: ignore[no-untyped-def]
+    """Whether the run words[start : start + size] holds anything non-finite, given the lane-test result
+    `acc` of its whole 64-bit words: the values after the last whole word are tested here."""
+    whole = size // (8 // words.itemsize) * (8 // words.itemsize)
+    if acc & test[4]:
+        return True
+    return whole < size and _max_key(words[start + whole : start + size], mask, flip, mask ^ mask) >= test[5]
 
 
 @_jit
-def block_flags(words, starts, owners, length, mask, flip, bad_min, nan_min, test, flags):  # type: ignore[no-untyped-def]
+def _verdicts(words, starts, owners, length, first, count, mask, flip, bad_min, nan_min, flags):  # type: ignore[no-untyped-def]
+    """Read each piece of a bad run value by value: flags[owner] = max(itself, 2 for NaN, 1 for Inf)."""
+    for piece in range(first, first + count):
+        key = _max_key(words[starts[piece] : starts[piece] + length], mask, flip, mask ^ mask)
+        flag = 2 if key >= nan_min else (1 if key >= bad_min else 0)
+        if flag > flags[owners[piece]]:
+            flags[owners[piece]] = flag
+
+
+@_jit
+def block_flags(words, starts, owners, length, firsts, counts, mask, flip, bad_min, nan_min, test, flags):  # type: ignore[no-untyped-def]
     """flags[owners[p]] = max(itself, 2 if piece p holds a NaN, else 1 if it holds an Inf).
 
-    Piece p is words[starts[p] : starts[p] + length]. A lane test over 64-bit words finds whether a piece
-    holds anything non-finite; only such a piece is read again, value by value, for the exact verdict.
-    Pieces go two at a time, interleaved chunk by chunk: two memory streams in flight hide the cost of
-    starting a new stream at every scattered block.
+    Piece p is words[starts[p] : starts[p] + length]. Run r is the `counts[r]` pieces from `firsts[r]` on,
+    adjacent in memory: one stream. A lane test over 64-bit words finds whether a run holds anything
+    non-finite; only the pieces of such a run are read again, value by value, for the exact verdict. Runs go
+    two at a time, interleaved chunk by chunk: two memory streams in flight hide the cost of starting a new
+    stream at every scattered block.
     """
     per_word = 8 // words.itemsize
-    whole = length // per_word * per_word  # values in whole 64-bit words
     top = test[4]
-    n = starts.shape[0]
-    for p in range(0, n, 2):
-        q = min(p + 1, n - 1)  # an odd last piece is paired with itself and read once
-        wide_p = words[starts[p] : starts[p] + whole].view(np.uint64)
-        wide_q = words[starts[q] : starts[q] + whole].view(np.uint64)
-        acc_p = top ^ top
-        acc_q = acc_p
-        for begin in range(0, wide_p.shape[0], CHUNK):
-            end = min(wide_p.shape[0], begin + CHUNK)
-            acc_p = _lane_test(wide_p[begin:end], test, acc_p)
-            if q != p:
-                acc_q = _lane_test(wide_q[begin:end], test, acc_q)
-        for piece, acc in ((p, acc_p), (q, acc_q)):
-            if acc & top or (whole < length and _tail_is_bad(words, starts[piece], length, whole, mask, flip, test)):
-                key = _max_key(words[starts[piece] : starts[piece] + length], mask, flip, mask ^ mask)
-                flag = 2 if key >= nan_min else (1 if key >= bad_min else 0)
-                if flag > flags[owners[piece]]:
-                    flags[owners[piece]] = flag
+    runs = firsts.shape[0]
+    for r in range(0, runs, 2):
+        s = min(r + 1, runs - 1)  # an odd last run is paired with itself and read once
+        start_r, start_s = starts[firsts[r]], starts[firsts[s]]
+        size_r, size_s = counts[r] * length, counts[s] * length
+        wide_r = words[start_r : start_r + size_r // per_word * per_word].view(np.uint64)
+        wide_s = words[start_s : start_s + size_s // per_word * per_word].view(np.uint64)
+        if s == r:
+            wide_s = wide_s[:0]
+        acc_r = top ^ top
+        acc_s = acc_r
+        for begin in range(0, max(wide_r.shape[0], wide_s.shape[0]), CHUNK):
+            acc_r = _lane_test(wide_r[begin : begin + CHUNK], test, acc_r)
+            acc_s = _lane_test(wide_s[begin : begin + CHUNK], test, acc_s)
+        if _run_is_bad(words, start_r, size_r, test, mask, flip, acc_r):
+            _verdicts(words, starts, owners, length, firsts[r], counts[r], mask, flip, bad_min, nan_min, flags)
+        if s != r and _run_is_bad(words, start_s, size_s, test, mask, flip, acc_s):
+            _verdicts(words, starts, owners, length, firsts[s], counts[s], mask, flip, bad_min, nan_min, flags)
 
 
 def ready(word: type) -> None:
@@ -94,13 +108,14 @@ def ready(word: type) -> None:
     words = numba.types.Array(scalar, 1, "C", readonly=True)
     flags = numba.types.Array(numba.types.uint8, 1, "C")
     test = numba.types.Array(numba.types.uint64, 1, "C", readonly=True)
-    block_flags.compile((words, index, index, numba.types.int64, scalar, scalar, scalar, scalar, test, flags))
+    block_flags.compile((words, index, index, numba.types.int64, index, index, scalar, scalar, scalar, scalar, test, flags))
     sample = np.zeros(1, dtype=word)
     sample.flags.writeable = False  # the first call also resolves the argument types: keep it out of checks
     zero, one = word(0), word(1)
     lanes = np.zeros(6, np.uint64)
     lanes.flags.writeable = False
-    block_flags(sample, np.zeros(1, np.int64), np.zeros(1, np.int64), 1, zero, zero, one, one, lanes, np.zeros(1, np.uint8))
+    index = np.zeros(1, np.int64)
+    block_flags(sample, index, index, 1, index, index + 1, zero, zero, one, one, lanes, np.zeros(1, np.uint8))
     _ready.add(word)
 
 
