@@ -161,8 +161,8 @@ def bind_gauges(metrics: tm.EngineMetrics, ref: Reference | None, owner: Owner) 
 
 def normalised(text: str) -> str:
     """Timestamps of `_created` samples and of exemplars replaced; everything else kept."""
-    text = re.sub(r"^(\S+_created(?:\{[^}]*\})?) \S+$", r"\1 <created>", text, flags=re.M)
-    return re.sub(r"( # \{[^}]*\} \S+) \S+$", r"\1 <timestamp>", text, flags=re.M)
+    text = re.sub(r"^(\S+_created(?:\{[^}]*\})?) \S+$", r"\1 <created>", text, flags=re.MULTILINE)
+    return re.sub(r"( # \{[^}]*\} \S+) \S+$", r"\1 <timestamp>", text, flags=re.MULTILINE)
 
 
 @pytest.fixture

@@ -45,8 +45,8 @@ def run(tmp_path, body: str) -> str:
     mp_dir = tmp_path / "prom"
     mp_dir.mkdir()
     env = {**os.environ, sc.ENV_MULTIPROC_DIR: str(mp_dir)}
-    out = subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(body)], env=env, capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(body)], env=env, check=False,
+                         capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     return out.stdout
 

@@ -110,7 +110,8 @@ CREATE = textwrap.dedent("""
 
 def create_families_with(directory: str) -> str:
     env = {**os.environ, sc.ENV_MULTIPROC_DIR: directory}
-    out = subprocess.run([sys.executable, "-c", CREATE], env=env, capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-c", CREATE], env=env, check=False, capture_output=True, text=True,
+                         timeout=60)
     assert out.returncode == 0, out.stderr
     return out.stdout.strip()
 

@@ -38,7 +38,7 @@ def created_samples_enabled() -> bool:
 class CounterCell:
     """One counter series. `value` is written only under `lock`."""
 
-    __slots__ = ("value", "created", "exemplar", "lock")
+    __slots__ = ("created", "exemplar", "lock", "value")
 
     def __init__(self, lock: threading.Lock) -> None:
         self.value = 0.0
@@ -62,7 +62,7 @@ class CounterCell:
 class HistogramCell:
     """One histogram series: per-bucket counts (not cumulative), the sum, the latest exemplar per bucket."""
 
-    __slots__ = ("bounds", "buckets", "sum", "created", "exemplars", "lock")
+    __slots__ = ("bounds", "buckets", "created", "exemplars", "lock", "sum")
 
     def __init__(self, bounds: list[float], lock: threading.Lock) -> None:
         self.bounds = bounds  # ascending upper bounds, +Inf last
@@ -87,7 +87,7 @@ class HistogramCell:
     def add(self, amount: float) -> None:
         """One observation; the caller holds `lock`. NaN joins the sum but no bucket, as in prometheus_client."""
         self.sum += amount
-        if amount == amount:
+        if amount == amount:  # noqa: PLR0124 - false only for NaN, the cheapest test
             self.buckets[bisect_left(self.bounds, amount)] += 1
 
     def prepare(self, values: list[float]) -> Batch:
@@ -96,8 +96,8 @@ class HistogramCell:
         and one increment per value. `values` is sorted in place. Raises, changing nothing, on a value that
         is not a number."""
         total = sum(values, self.sum)  # in the order observed, as one `observe` after another would add
-        if total != total:  # a NaN among them (or in the sum already): a NaN joins no bucket
-            values = [v for v in values if v == v]
+        if total != total:  # noqa: PLR0124 - a NaN among them (or in the sum already): a NaN joins no bucket
+            values = [v for v in values if v == v]  # noqa: PLR0124
         values.sort()
         increments = []
         remaining = len(values)
@@ -121,7 +121,7 @@ class HistogramCell:
 
     def set_exemplar(self, amount: float, labels: ExemplarLabels, timestamp: float) -> None:
         """Keep the latest exemplar of the bucket `amount` falls in; the caller holds `lock`."""
-        if amount != amount:
+        if amount != amount:  # noqa: PLR0124
             return  # NaN falls in no bucket
         index = bisect_left(self.bounds, amount)
         current = self.exemplars[index]
@@ -136,7 +136,7 @@ class ScrapeReader:
     """A value read at scrape time: `read(owner)` with `owner` held weakly (0 once it is gone), or a plain
     `read()` held strongly. A reader that raises shows 0 and is reported through `on_error`."""
 
-    __slots__ = ("_owner", "_read", "_on_error")
+    __slots__ = ("_on_error", "_owner", "_read")
 
     def __init__(self, owner: Any, read: Callable[..., float], on_error: Callable[[], None] | None) -> None:
         if owner is None:
@@ -171,7 +171,7 @@ class ScrapeReader:
 class GaugeCell:
     """One gauge series: a value set directly, or a ScrapeReader evaluated at each scrape."""
 
-    __slots__ = ("value", "reader", "__weakref__")
+    __slots__ = ("__weakref__", "reader", "value")
 
     def __init__(self) -> None:
         self.value = 0.0

@@ -48,7 +48,7 @@ class TelemetryFailures:
             error_type = type(error).__qualname__ if error is not None else None
             self._log.log((stage, error_type), "warning", EVENT_TELEMETRY_FAILED, engine=self.engine,
                           stage=stage, error_type=error_type, exc_info=error if error is not None else False)
-        except Exception:  # noqa: BLE001 - the reporter of last resort must not raise either
+        except Exception:  # noqa: BLE001, S110 - the reporter of last resort must not raise either
             pass
 
     def _count(self, stage: str) -> None:
@@ -56,7 +56,7 @@ class TelemetryFailures:
         if counter is not None:
             try:
                 counter.inc()
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001, S110 - a broken counter still leaves the log line
                 pass
 
     def _logging_failed(self) -> None:

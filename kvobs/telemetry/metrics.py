@@ -27,7 +27,7 @@ from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from itertools import compress
-from typing import Any
+from typing import Any, ClassVar
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import Metric
@@ -42,7 +42,7 @@ from kvobs.telemetry.accumulators import (
     HistogramCell,
     HistogramFamily,
 )
-from kvobs.telemetry.buffers import DRAIN_AT, ThreadBuffers
+from kvobs.telemetry.buffers import ThreadBuffers
 from kvobs.telemetry.errors import DuplicateEngine, MetricNameConflict
 from kvobs.telemetry.failures import TelemetryFailures
 from kvobs.telemetry.multiprocess import check_multiprocess_dir, multiprocess_enabled
@@ -114,8 +114,9 @@ class MetricFamilies:
     """Every kvobs metric family of one registry, registered as one collector. Shared by every observer of
     that registry; `MetricFamilies.of(registry)` finds or creates it."""
 
-    _by_registry: weakref.WeakKeyDictionary[CollectorRegistry, MetricFamilies] = weakref.WeakKeyDictionary()
-    _live: weakref.WeakSet[MetricFamilies] = weakref.WeakSet()
+    _by_registry: ClassVar[weakref.WeakKeyDictionary[CollectorRegistry, MetricFamilies]] = (
+        weakref.WeakKeyDictionary())
+    _live: ClassVar[weakref.WeakSet[MetricFamilies]] = weakref.WeakSet()
     _create_lock = threading.Lock()
 
     def __init__(self, registry: CollectorRegistry, buckets: tuple[float, ...]) -> None:
@@ -395,7 +396,8 @@ class BufferedPathMetrics(PathMetrics):
                 batches.append(self.duration[outcome].prepare(durations))
                 increments.append((self.transfers[outcome], len(durations)))
             ok = [outcome == sc.OUTCOME_OK for outcome in outcomes]
-            moved_blocks, moved_bytes = _total(list(compress(values[4::w], ok))), _total(list(compress(values[5::w], ok)))
+            moved_blocks = _total(list(compress(values[4::w], ok)))
+            moved_bytes = _total(list(compress(values[5::w], ok)))
         increments += [(self.blocks, moved_blocks), (self.bytes, moved_bytes)]
         marks = []
         exemplars = values[6::w]
