@@ -228,3 +228,24 @@ def test_empty_families_are_exposed_like_prometheus_client():
     Reference(theirs, families.buckets).create_children_like(families)
     assert normalised(generate_latest(ours).decode()) == normalised(generate_latest(theirs).decode())
     assert [m.name for m in ours.collect()] == [m.name for m in theirs.collect()]
+
+
+class Tally:
+    """A buffer that counts privately and flushes into the counter when its gauge is read (signals do)."""
+
+    def __init__(self, metrics: tm.EngineMetrics) -> None:
+        self.metrics, self.unflushed = metrics, 0
+
+    def pending(self) -> float:
+        self.metrics.signals[sc.SIGNAL_READY].inc(self.unflushed)
+        self.unflushed = 0
+        return 1.0
+
+
+def test_what_a_gauge_reader_flushes_is_in_the_same_scrape():
+    registry = CollectorRegistry()
+    metrics = tm.EngineMetrics(tm.MetricFamilies.of(registry), "flush", "cache")
+    tally = Tally(metrics)
+    metrics.bind_pending_signals(tally, Tally.pending, lambda owner: 0.0)
+    tally.unflushed = 5
+    assert registry.get_sample_value(sc.SIGNALS_TOTAL, {"engine": "flush", "outcome": "ready"}) == 5

@@ -38,8 +38,6 @@ def created_samples_enabled() -> bool:
 class CounterCell:
     """One counter series. `value` is written only under `lock`."""
 
-    __slots__ = ("created", "exemplar", "lock", "value")
-
     def __init__(self, lock: threading.Lock) -> None:
         self.value = 0.0
         self.created = time.time()
@@ -61,8 +59,6 @@ class CounterCell:
 
 class HistogramCell:
     """One histogram series: per-bucket counts (not cumulative), the sum, the latest exemplar per bucket."""
-
-    __slots__ = ("bounds", "buckets", "created", "exemplars", "lock", "sum")
 
     def __init__(self, bounds: list[float], lock: threading.Lock) -> None:
         self.bounds = bounds  # ascending upper bounds, +Inf last

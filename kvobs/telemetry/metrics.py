@@ -260,12 +260,14 @@ class _Collector:
             for family in families.ordered:
                 yield from family.collect()
             return
+        # Gauges first, outside the lock: their readers take their owners' locks, and what a reader flushes
+        # into a counter as it is read (a signal buffer's tally) belongs in this same scrape.
+        gauges = {id(f): f.collect() for f in families.ordered if isinstance(f, GaugeFamily)}
         with families.lock:
             families.drain_locked()
-            snapshot = [None if isinstance(f, GaugeFamily) else f.collect() for f in families.ordered]
-        for family, collected in zip(families.ordered, snapshot):
-            # gauges are read outside the lock: their readers take their owners' locks
-            yield from family.collect() if collected is None else collected
+            snapshot = [gauges.get(id(f)) or f.collect() for f in families.ordered]
+        for collected in snapshot:
+            yield from collected
 
 
 class InFlight:
