@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter
 from kvobs import semconv as sc
 from kvobs.telemetry import metrics as tm
 from kvobs.telemetry.errors import DuplicateEngine, MetricNameConflict, MultiprocessDirError
+from kvobs.telemetry.exposition import scrape_registry
 
 
 def names(registry: CollectorRegistry) -> set[str]:
@@ -139,3 +140,15 @@ def test_a_read_only_multiprocess_dir_is_refused_naming_the_variable(tmp_path):
 
 def test_a_usable_multiprocess_dir_is_accepted(tmp_path):
     assert create_families_with(str(tmp_path)) == "accepted"
+
+
+def test_a_multiprocess_dir_set_after_prometheus_client_was_imported_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv(sc.ENV_MULTIPROC_DIR, str(tmp_path))  # this process imported prometheus_client long ago
+    with pytest.raises(MultiprocessDirError, match="set after prometheus_client was imported"):
+        tm.MetricFamilies.of(CollectorRegistry())
+
+
+def test_scraping_a_missing_multiprocess_dir_names_the_variable(tmp_path, monkeypatch):
+    monkeypatch.setenv(sc.ENV_MULTIPROC_DIR, str(tmp_path / "gone"))
+    with pytest.raises(MultiprocessDirError, match="PROMETHEUS_MULTIPROC_DIR=.*does not exist"):
+        scrape_registry()

@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import tempfile
 
+from prometheus_client import values as prometheus_values
+
 from kvobs import semconv as sc
 from kvobs.telemetry.errors import MultiprocessDirError
 
@@ -30,7 +32,8 @@ def check_multiprocess_dir(*, writable: bool = True) -> None:
     """Raise MultiprocessDirError unless the directory exists and this process can use it.
 
     `writable=False` checks only that it can be read (the scraping process). Writing is checked by creating
-    a file there, since permission bits alone say nothing for root or on a read-only mount.
+    a file there, since permission bits alone say nothing for root or on a read-only mount; and a process
+    that records must have had the variable when prometheus_client was imported.
     """
     path = multiprocess_dir()
     if path is None:
@@ -50,3 +53,7 @@ def check_multiprocess_dir(*, writable: bool = True) -> None:
                 pass
         except OSError as exc:
             raise MultiprocessDirError(variable, path, f"is not writable ({exc.strerror})") from exc
+        if prometheus_values.ValueClass is prometheus_values.MutexValue:
+            raise MultiprocessDirError(
+                variable, path, "was set after prometheus_client was imported (it chooses the mode at import, "
+                "so this process would keep its values to itself); set it before the process starts")
