@@ -70,10 +70,15 @@ class HolderTable:
 
     def stamp(self, starts: list[int], code: int) -> None:
         """Record `code` as the holder of the ranges beginning at lock bytes `starts` (one C-level pass)."""
-        deque(map(self._set, map(add, starts, repeat(_CODES_AT)), repeat(code)), 0)
+        if len(starts) == 1:
+            self._set(_CODES_AT + starts[0], code)
+        else:
+            deque(map(self._set, map(add, starts, repeat(_CODES_AT)), repeat(code)), 0)
 
     def holder_at(self, byte: int) -> str:
-        """The holder last stamped at lock byte `byte` ("unknown" if none or unreadable)."""
+        """The holder last stamped at lock byte `byte` ("unknown" if none, or outside the lock bytes)."""
+        if not 0 <= byte < 2 * self.num_blocks:
+            return UNKNOWN_HOLDER
         code = self._map[_CODES_AT + byte]
         if code < _FIRST_CUSTOM:
             return _BUILTIN[code] if code < len(_BUILTIN) else UNKNOWN_HOLDER

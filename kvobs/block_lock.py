@@ -59,6 +59,11 @@ _PROC_FD = "/proc/self/fd"
 _REOPEN_FLAGS = os.O_RDWR | os.O_CLOEXEC
 
 _CALL = operator.methodcaller("__call__")
+# (start, length, 0) -> struct flock of a claim's range, by claim.exclusive
+_PACKERS = {
+    exclusive: functools.partial(ofd.FLOCK.pack, kind, os.SEEK_SET)
+    for exclusive, kind in ((True, fcntl.F_WRLCK), (False, fcntl.F_RDLCK))
+}
 _POPLEFT = deque.popleft
 
 # Every open BlockLock, so a forked child can drop the parent's claims (see _forget_parent_claims).
@@ -246,8 +251,7 @@ class BlockLock:
             starts, lengths = [first], [count]  # one run: checked in C, no per-id bytecode
         else:
             starts, lengths = self._runs(blocks)
-        kind = fcntl.F_WRLCK if claim.exclusive else fcntl.F_RDLCK
-        requests = list(map(functools.partial(ofd.FLOCK.pack, kind, os.SEEK_SET), starts, lengths, repeat(0)))
+        requests = list(map(_PACKERS[bool(claim.exclusive)], starts, lengths, repeat(0)))
         return _Plan(requests, starts, lengths, count)
 
     def _runs(self, blocks: tuple[int, ...]) -> tuple[list[int], list[int]]:
