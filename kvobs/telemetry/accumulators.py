@@ -65,7 +65,8 @@ class HistogramCell:
         self.buckets = [0] * len(bounds)
         self.sum = 0.0
         self.created = time.time()
-        self.exemplars: list[Exemplar | None] = [None] * len(bounds)
+        # (labels, amount, timestamp) per bucket; the Exemplar tuple is built only when scraped
+        self.exemplars: list[tuple[ExemplarLabels, float, float] | None] = [None] * len(bounds)
         self.lock = lock
 
     def observe(self, amount: float, exemplar: ExemplarLabels | None = None) -> None:
@@ -121,8 +122,8 @@ class HistogramCell:
             return  # NaN falls in no bucket
         index = bisect_left(self.bounds, amount)
         current = self.exemplars[index]
-        if current is None or current.timestamp <= timestamp:
-            self.exemplars[index] = Exemplar(labels, amount, timestamp)
+        if current is None or current[2] <= timestamp:
+            self.exemplars[index] = (labels, amount, timestamp)
 
     def count(self) -> float:
         return float(sum(self.buckets))
@@ -280,7 +281,8 @@ class HistogramFamily(_Family):
         cumulative = 0.0
         for le, count, exemplar in zip(self._le, child.buckets, child.exemplars):
             cumulative += count
-            metric.add_sample(name + "_bucket", {**labels, "le": le}, cumulative, None, exemplar)
+            metric.add_sample(name + "_bucket", {**labels, "le": le}, cumulative, None,
+                              None if exemplar is None else Exemplar(*exemplar))
         metric.add_sample(name + "_count", dict(labels), cumulative, None, None)
         if self.bounds[0] >= 0:
             metric.add_sample(name + "_sum", dict(labels), child.sum, None, None)

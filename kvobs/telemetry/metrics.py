@@ -407,8 +407,8 @@ class BufferedPathMetrics(PathMetrics):
             for outcome, duration, wait, exemplar in zip(outcomes, values[1::w], values[2::w], exemplars):
                 if exemplar:
                     labels, timestamp = exemplar
-                    marks += [(self.lock_wait, wait, labels, timestamp),
-                              (self.duration[outcome], duration, labels, timestamp)]
+                    marks.append((self.lock_wait, wait, labels, timestamp))
+                    marks.append((self.duration[outcome], duration, labels, timestamp))
         return batches, increments, marks
 
 
