@@ -504,3 +504,31 @@ def test_direct_claim_interrupted_while_waiting_holds_nothing(lock: BlockLock) -
     assert idle(lock)
     assert (everything := claim(lock, ())) is not None
     release_now(everything)
+
+
+def test_a_lock_nobody_stamped_is_named_unknown(lock: BlockLock) -> None:
+    """Another program locking the whole file (lockf to EOF) blocks every claim; kvobs cannot name it."""
+    fd = os.open(lock.path, os.O_RDWR)
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_SH | fcntl.LOCK_NB, 0, 0)
+        conflicts: list[str] = []
+        assert claim(lock, (3,), conflicts=conflicts) is None
+        assert conflicts == ["unknown"]
+    finally:
+        os.close(fd)
+
+
+def test_a_stuck_initialisation_times_out_instead_of_hanging(
+    lock: BlockLock, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvobs import block_holders
+
+    monkeypatch.setattr(block_holders, "_INIT_WAIT_S", 0.05)
+    stuck = os.open(lock.path, os.O_RDWR)  # another opener stopped while it checks the header
+    try:
+        fcntl.fcntl(stuck, ofd.F_OFD_SETLK, ofd.pack(fcntl.F_WRLCK, block_holders.INIT_LOCK_BYTE, 1))
+        with pytest.raises(LockTimeout, match="initialisation"):
+            BlockLock.attach("kv", NUM_BLOCKS, directory=tmp_path)
+    finally:
+        os.close(stuck)
+    BlockLock.attach("kv", NUM_BLOCKS, directory=tmp_path).close()
