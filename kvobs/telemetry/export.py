@@ -20,9 +20,9 @@ from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
 from kvobs.errors import KVObsError
+from kvobs.telemetry.failures import STAGE_EXPORT
 
 Failed = Callable[[str, BaseException], None]
-STAGE_EXPORT = "export"
 
 
 class SpanExportFailed(KVObsError):

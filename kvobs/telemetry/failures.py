@@ -26,6 +26,15 @@ from kvobs.telemetry.ratelimit import RateLimitedLog
 LOG_INTERVAL_S = 60.0
 EVENT_TELEMETRY_FAILED = "kvobs.telemetry.failed"
 
+# The stages a failure is counted under (label `stage` of kvobs_telemetry_errors_total).
+STAGE_METRICS = "metrics"
+STAGE_TRACING = "tracing"
+STAGE_LOGGING = "logging"
+STAGE_HOOK = "hook"
+STAGE_SCRAPE = "scrape"
+STAGE_EXPORT = "export"  # span export; counted under engine="" (it belongs to the process)
+TELEMETRY_STAGES = (STAGE_METRICS, STAGE_TRACING, STAGE_LOGGING, STAGE_HOOK, STAGE_SCRAPE, STAGE_EXPORT)
+
 
 class TelemetryFailures:
     """The one place a swallowed telemetry failure goes. `counters` maps a stage to a counter child (anything
@@ -61,4 +70,4 @@ class TelemetryFailures:
 
     def _logging_failed(self) -> None:
         """The logger itself raised: counted under `logging`, never logged (that would fail the same way)."""
-        self._count("logging")
+        self._count(STAGE_LOGGING)

@@ -44,7 +44,7 @@ from kvobs.telemetry.accumulators import (
 )
 from kvobs.telemetry.buffers import ThreadBuffers
 from kvobs.telemetry.errors import DuplicateEngine, MetricNameConflict
-from kvobs.telemetry.failures import TelemetryFailures
+from kvobs.telemetry.failures import STAGE_EXPORT, STAGE_METRICS, STAGE_SCRAPE, TELEMETRY_STAGES, TelemetryFailures
 from kvobs.telemetry.multiprocess import check_multiprocess_dir, multiprocess_enabled
 from kvobs.telemetry.refresher import Refresher
 
@@ -53,8 +53,6 @@ __all__ = [
     "bind_scrape_time", "multiprocess_enabled", "observe", "process_failures",
 ]
 
-TELEMETRY_STAGES = ("metrics", "tracing", "logging", "hook", "scrape", "export")
-STAGE_EXPORT = "export"
 Failed = Callable[[str, BaseException], None]
 
 _TELEMETRY_ERRORS_HELP = "Telemetry failures swallowed so the engine call is unaffected."
@@ -485,7 +483,7 @@ def _apply_or_split(prepare: Callable[[list[Any]], _Prepared], values: list[Any]
             try:
                 _commit(prepare(values[start:start + width]))
             except Exception as exc:  # noqa: BLE001
-                failed("metrics", exc)
+                failed(STAGE_METRICS, exc)
 
 
 def _total(amounts: list[Any]) -> int:
@@ -522,7 +520,7 @@ class EngineMetrics:
         self.lock_name = lock_name
         self.telemetry_errors = {s: f.telemetry_errors.labels(engine, s) for s in TELEMETRY_STAGES}
         self.failures = TelemetryFailures(engine, self.telemetry_errors, logger)
-        self._scrape_failed = functools.partial(self.failures, "scrape")
+        self._scrape_failed = functools.partial(self.failures, STAGE_SCRAPE)
         self.paths: dict[str, PathMetrics] = {}
         self._open: dict[str, tuple[GaugeCell, GaugeCell]] = {}
         self._holders: dict[str, HolderMetrics] = {}

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvobs.telemetry.accumulators import GaugeCell
+from kvobs.telemetry.failures import STAGE_METRICS
 
 Failed = Callable[[str, BaseException], None]
 
@@ -96,4 +97,4 @@ def _write(child: Any, value: float, failed: Failed) -> None:
     try:
         child.set(value)
     except Exception as exc:  # noqa: BLE001 - keep refreshing the others
-        failed("metrics", exc)
+        failed(STAGE_METRICS, exc)
