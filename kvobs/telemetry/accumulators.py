@@ -1,9 +1,9 @@
 """Plain accumulators for kvobs's metrics, exposed at scrape time exactly as prometheus_client's own.
 
-Why: a prometheus_client child takes a lock and re-validates on every `inc`/`observe` (about a microsecond
-each), and one transfer records seven values. Here a counter is a float and a histogram a list of bucket
-counts, a sum and one exemplar per bucket, all guarded by the lock of the registry's families (writers that
-batch, see `buffers.py`, take it once per batch). At scrape time each family builds the same `Metric` and
+Why: a prometheus_client child takes a lock and re-validates on every `inc`/`observe`, and one transfer
+records seven values. Here a counter is a float and a histogram a list of bucket counts, a sum and one
+exemplar per bucket, all guarded by the lock of the registry's families (writers that batch, see
+`buffers.py`, take it once per batch). At scrape time each family builds the same `Metric` and
 `Sample` objects prometheus_client's Counter, Histogram and Gauge build (names, HELP/TYPE, label order, `le`
 formatting, `_created`, exemplars), so both exposition formats come out identical.
 

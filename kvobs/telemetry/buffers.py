@@ -1,10 +1,10 @@
 """Per-thread record buffers: the recording thread appends its values, the accumulators are updated in batches.
 
 Why: a transfer's telemetry is seven values into three histograms and three counters. Extending the calling
-thread's own flat list with one record takes no lock and costs about as much as a bare
-`with threading.Lock()`; the binning happens once per batch (each field is one strided slice of the flat
-list; each histogram's values are sorted once and cut at the bucket bounds), when a buffer holds
-`DRAIN_AT` records or when the registry is scraped, so scrapes always see every record.
+thread's own flat list with one record takes no lock and no per-value work. The binning happens once per
+batch (each field is one strided slice of the flat list; each histogram's values are sorted once and cut at
+the bucket bounds), when a buffer holds `DRAIN_AT` records or when the registry is scraped, so scrapes
+always see every record.
 
 Correctness rests on atomic list operations: the owning thread only ever extends its list by whole records
 (one `extend` per record), and a drainer takes the first `k` values with one slice and removes exactly those

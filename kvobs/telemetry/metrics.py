@@ -263,14 +263,14 @@ class _Collector:
         gauges = {id(f): f.collect() for f in families.ordered if isinstance(f, GaugeFamily)}
         with families.lock:
             families.drain_locked()
-            snapshot = [gauges.get(id(f)) or f.collect() for f in families.ordered]
+            snapshot = [gauges[id(f)] if id(f) in gauges else f.collect() for f in families.ordered]
         for collected in snapshot:
             yield from collected
 
 
 class InFlight:
-    """Transfers running now. A deque's append/pop are atomic and cost ~30 ns, against ~850 ns for each
-    locked Gauge update; the gauge reads `len()` at scrape time instead."""
+    """Transfers running now. A deque's append and pop are atomic and far cheaper than a locked Gauge update;
+    the gauge reads `len()` at scrape time instead."""
 
     def __init__(self) -> None:
         running: deque[None] = deque()
