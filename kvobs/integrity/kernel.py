@@ -61,12 +61,7 @@ class KernelPlan:
 
         ids: int64, distinct, in range; flags: uint8, one per id, shared by all the tensors of a cache.
         """
-        # Segment by segment, so that pieces of consecutive ids that touch in memory form one run (one stream).
-        starts = (self.segments[:, None] + ids[None, :] * self.block_stride).reshape(-1)
-        owners = np.tile(np.arange(ids.shape[0], dtype=np.int64), self.segments.shape[0])
-        firsts = np.flatnonzero(np.concatenate(([True], starts[1:] != starts[:-1] + self.length)))
-        counts = np.diff(np.append(firsts, starts.shape[0]))
-        _compiled.block_flags(self.words, starts, owners, self.length, firsts, counts, *self.constants, flags)
+        _compiled.block_flags(self.words, ids, self.block_stride, self.segments, self.length, *self.constants, flags)
 
 
 def unavailable_reason() -> str | None:

@@ -57,31 +57,58 @@ def _run_is_bad(words, start, size, test, mask, flip, acc):  # type: ignore[no-u
 
 
 @_jit
-def _verdicts(words, starts, owners, length, first, count, mask, flip, bad_min, nan_min, flags):  # type: ignore[no-untyped-def]
-    """Read each piece of a bad run value by value: flags[owner] = max(itself, 2 for NaN, 1 for Inf)."""
+def _verdicts(words, ids, block_stride, segments, length, first, count, mask, flip, bad_min, nan_min, flags):  # type: ignore[no-untyped-def]
+    """Read each piece of a bad run value by value: flags[block] = max(itself, 2 for NaN, 1 for Inf)."""
     for piece in range(first, first + count):
-        key = _max_key(words[starts[piece] : starts[piece] + length], mask, flip, mask ^ mask)
+        segment, j = divmod(piece, ids.shape[0])
+        start = segments[segment] + ids[j] * block_stride
+        key = _max_key(words[start : start + length], mask, flip, mask ^ mask)
         flag = 2 if key >= nan_min else (1 if key >= bad_min else 0)
-        if flag > flags[owners[piece]]:
-            flags[owners[piece]] = flag
+        if flag > flags[j]:
+            flags[j] = flag
 
 
 @_jit
-def block_flags(words, starts, owners, length, firsts, counts, mask, flip, bad_min, nan_min, test, flags):  # type: ignore[no-untyped-def]
-    """flags[owners[p]] = max(itself, 2 if piece p holds a NaN, else 1 if it holds an Inf).
+def _runs(ids, block_stride, segments, length):  # type: ignore[no-untyped-def]
+    """(first piece, piece count) of each run: the pieces of consecutive ids that touch in memory.
 
-    Piece p is words[starts[p] : starts[p] + length]. Run r is the `counts[r]` pieces from `firsts[r]` on,
-    adjacent in memory: one stream. A lane test over 64-bit words finds whether a run holds anything
+    Pieces are numbered segment by segment: piece s * len(ids) + j is segment s of block ids[j]."""
+    n = ids.shape[0]
+    firsts = np.empty(n * segments.shape[0], np.int64)
+    counts = np.empty(n * segments.shape[0], np.int64)
+    runs = 0
+    for segment in range(segments.shape[0]):
+        j = 0
+        while j < n:
+            k = j + 1
+            while k < n and (ids[k] - ids[k - 1]) * block_stride == length:
+                k += 1
+            firsts[runs] = segment * n + j
+            counts[runs] = k - j
+            runs += 1
+            j = k
+    return firsts[:runs], counts[:runs]
+
+
+@_jit
+def block_flags(words, ids, block_stride, segments, length, mask, flip, bad_min, nan_min, test, flags):  # type: ignore[no-untyped-def]
+    """flags[j] = max(itself, 2 if block ids[j] holds a NaN, else 1 if it holds an Inf).
+
+    Segment s of block b is words[b * block_stride + segments[s] :][:length]. Pieces that touch in memory
+    form a run, read as one stream. A lane test over 64-bit words finds whether a run holds anything
     non-finite; only the pieces of such a run are read again, value by value, for the exact verdict. Runs go
     two at a time, interleaved chunk by chunk: two memory streams in flight hide the cost of starting a new
     stream at every scattered block.
     """
     per_word = 8 // words.itemsize
     top = test[4]
+    n = ids.shape[0]
+    firsts, counts = _runs(ids, block_stride, segments, length)
     runs = firsts.shape[0]
     for r in range(0, runs, 2):
         s = min(r + 1, runs - 1)  # an odd last run is paired with itself and read once
-        start_r, start_s = starts[firsts[r]], starts[firsts[s]]
+        start_r = segments[firsts[r] // n] + ids[firsts[r] % n] * block_stride
+        start_s = segments[firsts[s] // n] + ids[firsts[s] % n] * block_stride
         size_r, size_s = counts[r] * length, counts[s] * length
         wide_r = words[start_r : start_r + size_r // per_word * per_word].view(np.uint64)
         wide_s = words[start_s : start_s + size_s // per_word * per_word].view(np.uint64)
@@ -93,9 +120,9 @@ def block_flags(words, starts, owners, length, firsts, counts, mask, flip, bad_m
             acc_r = _lane_test(wide_r[begin : begin + CHUNK], test, acc_r)
             acc_s = _lane_test(wide_s[begin : begin + CHUNK], test, acc_s)
         if _run_is_bad(words, start_r, size_r, test, mask, flip, acc_r):
-            _verdicts(words, starts, owners, length, firsts[r], counts[r], mask, flip, bad_min, nan_min, flags)
+            _verdicts(words, ids, block_stride, segments, length, firsts[r], counts[r], mask, flip, bad_min, nan_min, flags)
         if s != r and _run_is_bad(words, start_s, size_s, test, mask, flip, acc_s):
-            _verdicts(words, starts, owners, length, firsts[s], counts[s], mask, flip, bad_min, nan_min, flags)
+            _verdicts(words, ids, block_stride, segments, length, firsts[s], counts[s], mask, flip, bad_min, nan_min, flags)
 
 
 def ready(word: type) -> None:
@@ -108,14 +135,17 @@ def ready(word: type) -> None:
     words = numba.types.Array(scalar, 1, "C", readonly=True)
     flags = numba.types.Array(numba.types.uint8, 1, "C")
     test = numba.types.Array(numba.types.uint64, 1, "C", readonly=True)
-    block_flags.compile((words, index, index, numba.types.int64, index, index, scalar, scalar, scalar, scalar, test, flags))
+    segments = numba.types.Array(numba.types.int64, 1, "C", readonly=True)
+    signature = (words, index, numba.types.int64, segments, numba.types.int64, scalar, scalar, scalar, scalar, test, flags)
+    block_flags.compile(signature)
     sample = np.zeros(1, dtype=word)
     sample.flags.writeable = False  # the first call also resolves the argument types: keep it out of checks
     zero, one = word(0), word(1)
     lanes = np.zeros(6, np.uint64)
     lanes.flags.writeable = False
-    index = np.zeros(1, np.int64)
-    block_flags(sample, index, index, 1, index, index + 1, zero, zero, one, one, lanes, np.zeros(1, np.uint8))
+    segments = np.zeros(1, np.int64)
+    segments.flags.writeable = False
+    block_flags(sample, np.zeros(1, np.int64), 1, segments, 1, zero, zero, one, one, lanes, np.zeros(1, np.uint8))
     _ready.add(word)
 
 
