@@ -32,6 +32,7 @@ from ops_support import (
 # The alerts the issue asks for, each with the contract metric its expression must watch.
 REQUIRED_ALERTS = {
     "KvobsStalePendingSignal": sc.PENDING_SIGNAL_OLDEST_AGE_SECONDS,
+    "KvobsTransferNeverCompleted": sc.TRANSFERS_TOTAL,
     "KvobsNaNDetected": sc.NAN_CHECKS_TOTAL,
     "KvobsLockWaitHigh": "kvobs:lock_wait_seconds:p99_5m",
     "KvobsLockTimeouts": sc.LOCK_TIMEOUTS_TOTAL,

@@ -30,6 +30,7 @@ TAG = "kvobs"
 # Selectors every panel applies: the template variables of the dashboard.
 ENGINE, INSTANCE = sc.LABEL_ENGINE, "instance"
 PATH, OUTCOME, LOCK, RESULT = sc.LABEL_PATH, sc.LABEL_OUTCOME, sc.LABEL_LOCK, sc.LABEL_RESULT
+HOLDER_PATH, MODE = sc.LABEL_HOLDER_PATH, sc.LABEL_MODE
 
 # Recording rules defined in deploy/prometheus/rules/kvobs-recording.yml that the dashboards read.
 REC_ERROR_RATIO = "kvobs:transfer_error_ratio:rate5m"
@@ -206,8 +207,9 @@ def overview() -> dict:
     not_ok = f'{OUTCOME}!="{sc.OUTCOME_OK}"'
     lay.add(timeseries(
         "Transfers per second by path and outcome",
-        "Guarded transfers completed per second. outcome: ok, error (the transfer raised), timeout (the cache "
-        "lock was not acquired in time), rejected (argument validation failed before locking).",
+        "Guarded transfers ended per second. outcome: ok, error (the transfer or its completion failed), "
+        "timeout (the cache lock was not acquired in time), rejected (refused before the copy: bad arguments, "
+        "or corrupt blocks left out by the integrity policy), abandoned (never completed before its deadline).",
         [target(f"sum by ({PATH}, {OUTCOME}) ({rate(sc.TRANSFERS_TOTAL)})", "{{path}} {{outcome}}")],
         "ops", stack=True), w=12)
     lay.add(timeseries(
@@ -218,17 +220,26 @@ def overview() -> dict:
          target(quantile(0.99, sc.TRANSFER_DURATION_SECONDS, PATH), "p99 {{path}}", "B", exemplar=True)],
         "s"), w=12)
     lay.add(timeseries(
-        "Transfers in flight by path",
-        "Guarded transfers running now. A value that never returns to 0 is a stuck transfer.",
+        "Open transfers by path",
+        "Transfers begun and not yet completed: holding their lock while the copy runs, in this process or "
+        "elsewhere (a thread pool, a later engine step, an acknowledgement). A value that never returns to 0 "
+        "is a completion that is not coming.",
         [target(f"sum by ({PATH}) ({sc.TRANSFERS_IN_FLIGHT}{sel()})", "{{path}}")], "short"), w=8)
     lay.add(timeseries(
+        "Oldest open transfer by path",
+        "Age of the oldest transfer still waiting for its completion. It saw-tooths with normal copies; at the "
+        "deadline (KVOBS_TRANSFER_DEADLINE, default 60s) the transfer is abandoned and "
+        "KvobsTransferNeverCompleted fires.",
+        [target(f"max by ({PATH}) ({sc.TRANSFER_OLDEST_OPEN_AGE_SECONDS}{sel()})", "{{path}}")], "s",
+        thresholds=[GREEN, red_at(60)]), w=8)
+    lay.add(timeseries(
         "Errors per second by path and outcome",
-        "Transfers that did not end ok: error, timeout and rejected, per path.",
+        "Transfers that did not end ok: error, timeout, rejected and abandoned, per path.",
         [target(f"sum by ({PATH}, {OUTCOME}) ({rate(sc.TRANSFERS_TOTAL, not_ok)})", "{{path}} {{outcome}}")],
         "ops", stack=True), w=8)
     lay.add(timeseries(
         "Transfer error ratio (5m) by path",
-        "Share of transfers ending in error or timeout over 5 minutes (recording rule "
+        "Share of transfers ending in error, timeout or abandonment over 5 minutes (recording rule "
         f"{REC_ERROR_RATIO}); KvobsTransferErrorRatioHigh fires above 5% for 5m.",
         [target(f"max by ({PATH}) ({REC_ERROR_RATIO}{sel()})", "{{path}}")], "percentunit",
         thresholds=[GREEN, red_at(0.05)]), w=8)
@@ -281,6 +292,19 @@ def lock() -> dict:
         [target(f"max by ({LOCK}, {PATH}) ({REC_LOCK_WAIT_P99}{sel()})", "wait {{lock}} {{path}}", "A"),
          target(f"max by ({LOCK}, {PATH}) ({REC_LOCK_HOLD_P99}{sel()})", "hold {{lock}} {{path}}", "B")],
         "s", thresholds=[GREEN, red_at(0.1)]), w=8)
+    lay.add(timeseries(
+        "Lock conflicts per second by path and holder path",
+        "Acquisitions that had to wait, by the path that waited and the path holding what it wanted (with a "
+        "block lock: the holder of some of the wanted blocks). A forward pass waiting on write-backs shows as "
+        "path=forward, holder_path=write_back.",
+        [target(f"sum by ({PATH}, {HOLDER_PATH}) ({rate(sc.LOCK_CONFLICTS_TOTAL)})",
+                "{{path}} waited for {{holder_path}}")], "ops", stack=True), w=12)
+    lay.add(timeseries(
+        "Blocks claimed now by mode",
+        "KV blocks claimed on the block lock at scrape time: shared (transfers reading blocks) and exclusive "
+        "(prefetches and forward passes writing them). Always 0 for a whole-cache lock.",
+        [target(f"sum by ({LOCK}, {MODE}) ({sc.LOCK_BLOCKS_CLAIMED}{sel()})", "{{lock}} {{mode}}")], "short"),
+        w=12)
     return dashboard("kvobs-lock", "kvobs / Cache lock",
                      "The cross-process cache lock around storage prefetch/write-back and the forward pass.", lay)
 
