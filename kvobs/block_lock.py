@@ -14,8 +14,8 @@ byte-range locks (see `kvobs.ofd`), runs of consecutive ids coalesced into one r
 - deadlock-free: a claim takes its runs in ascending block order, holding the earlier ones while it waits;
 - writers do not starve: a writer that has to wait first takes the run's "turnstile" bytes (block b's
   turnstile is byte ``num_blocks + b``) and holds them until it gets the blocks; every reader first checks
-  the turnstile over its span and waits while a writer is queued there, so the readers already inside drain
-  and no new ones pass the writer;
+  the turnstile bytes of its runs and waits (holding nothing) while a writer is queued there, so the
+  readers already inside drain and no new ones pass the writer;
 - timed and all-or-nothing: waiting polls with short exponential back-off up to the deadline; a timeout
   releases whatever the claim took.
 
@@ -342,10 +342,20 @@ class BlockLock:
         return True
 
     def _queued_writer(self, fd: int, plan: _Plan) -> str | None:
-        """The holder of a writer queued at the turnstile over the plan's span, or None if there is none."""
+        """The holder of a writer queued at the turnstile of one of the plan's runs, or None if there is none.
+
+        One probe over the whole span first (the common case: no writer queued anywhere near); only when it
+        finds one are the runs probed one by one, so a writer queued on a block between them holds no one back.
+        """
+        turnstile = self.num_blocks
         span_start = plan.starts[0]
         span = plan.starts[-1] + plan.lengths[-1] - span_start
-        found = ofd.conflict(fd, fcntl.F_RDLCK, self.num_blocks + span_start, span)
+        found = ofd.conflict(fd, fcntl.F_RDLCK, turnstile + span_start, span)
+        if found is not None and len(plan.starts) > 1:
+            for start, length in zip(plan.starts, plan.lengths):
+                found = ofd.conflict(fd, fcntl.F_RDLCK, turnstile + start, length)
+                if found is not None:
+                    break
         return None if found is None else self._holders.holder_at(found.start)
 
     def _no_queued_writer(self, fd: int, plan: _Plan) -> bool:

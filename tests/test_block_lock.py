@@ -290,6 +290,8 @@ def test_a_reader_waits_behind_a_queued_writer_and_names_it(lock: BlockLock) -> 
         time.sleep(0.005)
     assert conflicts == ["forward"]
     assert (elsewhere := claim(lock, (7,), exclusive=False)) is not None  # only the writer's blocks queue
+    assert (around := claim(lock, (6, 7, 9), exclusive=False)) is not None  # runs on both sides of block 8
+    release_now(around)
     release_now(elsewhere)
     release_now(reader)
     writer.join(timeout=10)
