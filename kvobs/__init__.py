@@ -6,6 +6,7 @@ import torch.
 
 __version__ = "0.1.0"
 
+from kvobs.block_lock import BlockLock
 from kvobs.errors import CorruptKVError, KVObsError, LockTimeout, ReentrantLockError, TransferRejected
 from kvobs.guard import Guard
 from kvobs.instrument import Instrumentation, instrument
@@ -21,6 +22,7 @@ from kvobs.telemetry.tracing import configure_tracing
 from kvobs.transfer import Transfer
 
 __all__ = [
+    "BlockLock",
     "CheckResult",
     "CorruptKVError",
     "EarlySignalBuffer",

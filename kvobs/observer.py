@@ -9,6 +9,7 @@ layer below it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -116,6 +117,9 @@ class KVObserver:
             self.metrics = tm.EngineMetrics(tm.MetricFamilies.of(registry, buckets), self.engine, self.lock.name,
                                             logger=self.logger)
             self.metrics.bind_lock_held(self.lock, _held_for)
+            if hasattr(self.lock, "blocks_claimed"):  # a lock that claims blocks, not the whole cache
+                for mode in sc.CLAIM_MODES:
+                    self.metrics.bind_blocks_claimed(mode, self.lock, functools.partial(_claimed, mode=mode))
         self._routes = {p: self._route(p) for p in self.paths}
         self._holder_routes = {h: self._holder_route(h) for h in self.holders}
 
@@ -285,3 +289,7 @@ class KVObserver:
 
 def _held_for(lock: CacheLock) -> float:
     return lock.held_for()
+
+
+def _claimed(lock: Any, mode: str) -> int:
+    return lock.blocks_claimed()[mode]
