@@ -281,20 +281,22 @@ def test_a_reader_waits_behind_a_queued_writer_and_names_it(lock: BlockLock) -> 
     writer_result: list[deque[Any] | None] = []
     writer = threading.Thread(target=lambda: writer_result.append(claim(lock, (8,), holder="forward", timeout=10)))
     writer.start()
-    conflicts: list[str] = []
-    deadline = time.monotonic() + 10
-    while not conflicts and time.monotonic() < deadline:  # until the writer has queued at the turnstile
-        passed = claim(lock, (8,), exclusive=False, holder="write_back", conflicts=conflicts)
-        if passed is not None:  # the writer had not queued yet
-            release_now(passed)
-        time.sleep(0.005)
-    assert conflicts == ["forward"]
-    assert (elsewhere := claim(lock, (7,), exclusive=False)) is not None  # only the writer's blocks queue
-    assert (around := claim(lock, (6, 7, 9), exclusive=False)) is not None  # runs on both sides of block 8
-    release_now(around)
-    release_now(elsewhere)
-    release_now(reader)
-    writer.join(timeout=10)
+    try:
+        conflicts: list[str] = []
+        deadline = time.monotonic() + 10
+        while not conflicts and time.monotonic() < deadline:  # until the writer has queued at the turnstile
+            passed = claim(lock, (8,), exclusive=False, holder="write_back", conflicts=conflicts)
+            if passed is not None:  # the writer had not queued yet
+                release_now(passed)
+            time.sleep(0.005)
+        assert conflicts == ["forward"]
+        assert (elsewhere := claim(lock, (7,), exclusive=False)) is not None  # only the writer's blocks queue
+        release_now(elsewhere)
+        assert (around := claim(lock, (6, 7, 9), exclusive=False)) is not None  # runs on both sides of 8
+        release_now(around)
+    finally:
+        release_now(reader)
+        writer.join(timeout=10)
     assert writer_result and writer_result[0] is not None
     release_now(writer_result[0])
 
