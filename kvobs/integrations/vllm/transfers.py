@@ -1,0 +1,108 @@
+"""Begin and end the integration's transfers through one observer, so that observing never changes vLLM.
+
+A transfer kvobs refuses (kvobs records and logs the refusal itself) leaves the copy unobserved and vLLM
+untouched; completing a transfer that already ended (abandoned past its deadline) changes nothing. Only an
+integrity finding changes what vLLM sees, as the integrity mode says: `report` hands the bad block ids to
+the caller, which tells vLLM; `raise` raises CorruptKVError, at once for a store's sources (the store is then
+never submitted), and for a load's destinations at the next safe point (`raise_pending`), once the wrapped
+connector has done its own bookkeeping for the step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvobs.errors import CorruptKVError, KVObsError, TransferRejected
+from kvobs.policy import IntegrityPolicy
+
+
+class EngineReportedFailure(KVObsError):
+    """vLLM said a copy failed (a failed receive, a failed or refused job): the transfer's recorded error."""
+
+    def __init__(self, path: str, key: Any, reason: str) -> None:
+        super().__init__(f"vLLM reported the {path} transfer {key!r} as failed: {reason}")
+        self.path = path
+        self.key = key
+        self.reason = reason
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.path, self.key, self.reason)
+
+
+class _Marker:
+    """A result no engine returns, kept as it is by the policy's copy of its skip result."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __copy__(self) -> _Marker:
+        return self
+
+    def __deepcopy__(self, memo: Any) -> _Marker:
+        return self
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+CORRUPT = _Marker("<kvobs: corrupt blocks>")
+
+
+def policy_for(mode: str) -> Any:
+    """The kvobs integrity policy behind an integration mode (see `options.INTEGRITY_MODES`)."""
+    if mode == "report":
+        return IntegrityPolicy("skip", skip_result=CORRUPT)
+    return False if mode == "off" else mode
+
+
+class Transfers:
+    """The integration's transfers on one observer; `cache` is what checks read (set once caches register)."""
+
+    def __init__(self, obs: Any, mode: str) -> None:
+        self.obs = obs
+        self.mode = mode
+        self.check = policy_for(mode)
+        self.cache: Any = None
+        self._pending: CorruptKVError | None = None
+
+    def begin(self, path: str, key: Any, *, request_id: Any, block_ids: list[int], group_sizes: Any = None,
+              trace_context: Any = None) -> tuple[int, ...]:
+        """Begin a transfer now (a reading one's sources are checked now). Returns the bad source ids that
+        `report` found (the transfer has then ended as failed), else (); `raise` raises them."""
+        try:
+            self.obs.begin(path, check=self.check, key=key, request_id=request_id, block_ids=block_ids,
+                           group_sizes=group_sizes, cache=self.cache, trace_context=trace_context)
+        except CorruptKVError as exc:
+            if self.mode == "raise":
+                raise
+            return exc.bad_block_ids
+        except TransferRejected:
+            pass  # recorded and logged by kvobs; the copy goes on, unobserved
+        return ()
+
+    def complete(self, path: str, key: Any) -> tuple[int, ...]:
+        """The copy under `key` is done: check a writing transfer's destinations and end it. Returns the bad
+        destination ids `report` found, else (); `raise` keeps its error for `raise_pending`."""
+        t = self.obs.open_transfer(path, key)
+        if t is None:
+            return ()
+        try:
+            if t.complete() is CORRUPT:
+                return t.bad_block_ids
+        except CorruptKVError as exc:
+            if self._pending is None:
+                self._pending = exc
+        return ()
+
+    def fail(self, path: str, key: Any, error: BaseException) -> None:
+        """The copy under `key` failed (the engine said so)."""
+        self.obs.fail(path, key, error)
+
+    def is_open(self, path: str, key: Any) -> bool:
+        return self.obs.open_transfer(path, key) is not None
+
+    def raise_pending(self) -> None:
+        """Raise the first CorruptKVError kept by `complete` under the `raise` mode, if any."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            raise pending
