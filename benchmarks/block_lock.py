@@ -36,6 +36,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from itertools import pairwise
 from typing import Any
 
 from kvobs import ofd
@@ -62,7 +63,7 @@ def blocks_in_runs(blocks: int, runs: int, first: int = 100) -> tuple[int, ...]:
 
 def runs_of(blocks: tuple[int, ...]) -> tuple[list[int], list[int]]:
     starts, lengths = [blocks[0]], [1]
-    for previous, block in zip(blocks, blocks[1:]):
+    for previous, block in pairwise(blocks):
         if block == previous + 1:
             lengths[-1] += 1
         else:
@@ -114,7 +115,9 @@ def main() -> None:
         coalescing = BlockLock(f"bench-gap{gap}", NUM_BLOCKS, directory=directory, coalesce_gap=gap)
         ranges = len(coalescing._plan(Claim("forward", forward_ids)).starts)
 
-        def coalesced(coalescing: BlockLock = coalescing, held: deque[Any] = deque()) -> None:
+        gap_held: deque[Any] = deque()
+
+        def coalesced(coalescing: BlockLock = coalescing, held: deque[Any] = gap_held) -> None:
             coalescing.acquire_into(held, Claim("forward", forward_ids), None)
             release_now(held)
 

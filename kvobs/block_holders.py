@@ -30,7 +30,7 @@ from kvobs.errors import LockTimeout
 from kvobs.locks import UNKNOWN_HOLDER
 from kvobs.semconv import HOLDER_FORWARD, PATH_PREFETCH, PATH_SEND, PATH_WRITE_BACK
 
-__all__ = ["HolderTable", "INIT_LOCK_BYTE"]
+__all__ = ["INIT_LOCK_BYTE", "HolderTable"]
 
 _MAGIC = b"KVOBSBL1"
 _HEADER = struct.Struct("=8sQ")  # magic, number of blocks

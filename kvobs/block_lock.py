@@ -39,7 +39,7 @@ from collections import deque
 from collections.abc import Sequence
 from itertools import islice, repeat, tee
 from types import TracebackType
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Self
 
 from kvobs import ofd
 from kvobs.atomic import Held, push_unless_raises, release_now
@@ -405,7 +405,7 @@ class BlockClaim:
         self.timeout = timeout
         self._held: Held = deque()
 
-    def __enter__(self) -> BlockClaim:
+    def __enter__(self) -> Self:
         try:
             acquired = self.lock.acquire_into(self._held, self.claim, self.timeout)
         except BaseException:

@@ -19,9 +19,9 @@ import sys
 from typing import NamedTuple
 
 __all__ = [
+    "FLOCK",
     "F_OFD_GETLK",
     "F_OFD_SETLK",
-    "FLOCK",
     "UNLOCK_ALL",
     "Conflict",
     "OFDUnsupported",

@@ -97,12 +97,14 @@ def test_shared_claims_share_and_exclude_writers(lock: BlockLock) -> None:
     assert claim(lock, (3,), conflicts=conflicts) is None
     assert conflicts in (["write_back"], ["send"])
     assert claim(lock, (4, 5)) is None  # 4 is still shared by `second`
-    assert (exclusive := claim(lock, (5, 6))) is not None
+    exclusive = claim(lock, (5, 6))
+    assert exclusive is not None
     assert claim(lock, (6,), exclusive=False) is None  # a reader waits for a writer too
     for held in (first, second, exclusive):
         release_now(held)
     assert idle(lock)
-    assert (everything := claim(lock, ())) is not None
+    everything = claim(lock, ())
+    assert everything is not None
     release_now(everything)
 
 
@@ -120,7 +122,8 @@ def test_whole_cache_claims(lock: BlockLock) -> None:
     assert reader is not None
     assert lock.blocks_claimed() == {"shared": NUM_BLOCKS, "exclusive": 0}
     assert claim(lock, (NUM_BLOCKS - 1,)) is None
-    assert (other_reader := claim(lock, (7, 8), exclusive=False)) is not None
+    other_reader = claim(lock, (7, 8), exclusive=False)
+    assert other_reader is not None
     release_now(reader)
     release_now(other_reader)
     writer = claim(lock, ())
@@ -140,10 +143,13 @@ def test_timeout_leaves_nothing_claimed_and_held_as_it_was(lock: BlockLock) -> N
     assert time.monotonic() - started >= 0.05
     assert list(held) == [sentinel]
     # Runs 1..10 were taken before the wait at 50 and 50's turnstile while waiting: all released.
-    assert (left := claim(lock, tuple(range(1, 11)))) is not None
-    assert (right := claim(lock, tuple(range(60, 71)))) is not None
+    left = claim(lock, tuple(range(1, 11)))
+    assert left is not None
+    right = claim(lock, tuple(range(60, 71)))
+    assert right is not None
     release_now(blocker)
-    assert (reader := claim(lock, (50,), exclusive=False)) is not None  # no queued writer left behind
+    reader = claim(lock, (50,), exclusive=False)  # no queued writer left behind
+    assert reader is not None
     for undo in (left, right, reader):
         release_now(undo)
     assert idle(lock) and lock.held_for() == 0.0
@@ -157,7 +163,8 @@ def test_zero_timeout_tries_once(lock: BlockLock) -> None:
     assert claim(lock, (9,), timeout=-1.0) is None
     assert time.monotonic() - started < 0.5
     release_now(blocker)
-    assert (granted := claim(lock, (9,), timeout=-1.0)) is not None  # an expired deadline still tries once
+    granted = claim(lock, (9,), timeout=-1.0)  # an expired deadline still tries once
+    assert granted is not None
     release_now(granted)
 
 
@@ -182,7 +189,8 @@ def test_release_from_another_thread(lock: BlockLock) -> None:
     releaser.start()
     releaser.join(timeout=10)
     assert idle(lock)
-    assert (again := claim(lock, (1, 2, 3, 100))) is not None
+    again = claim(lock, (1, 2, 3, 100))
+    assert again is not None
     release_now(again)
 
 
@@ -257,7 +265,8 @@ def test_conflict_names_the_holder_once_per_wait(lock: BlockLock) -> None:
     assert claim(lock, (5, 15), timeout=0.05, conflicts=conflicts) is None  # polled many times
     assert conflicts == ["write_back"]
     conflicts.clear()
-    assert (granted := claim(lock, (5, 6), timeout=0.05, conflicts=conflicts)) is not None
+    granted = claim(lock, (5, 6), timeout=0.05, conflicts=conflicts)
+    assert granted is not None
     assert conflicts == []  # no wait, no report
     release_now(granted)
     release_now(blocker)
@@ -290,9 +299,11 @@ def test_a_reader_waits_behind_a_queued_writer_and_names_it(lock: BlockLock) -> 
                 release_now(passed)
             time.sleep(0.005)
         assert conflicts == ["forward"]
-        assert (elsewhere := claim(lock, (7,), exclusive=False)) is not None  # only the writer's blocks queue
+        elsewhere = claim(lock, (7,), exclusive=False)  # only the writer's blocks queue
+        assert elsewhere is not None
         release_now(elsewhere)
-        assert (around := claim(lock, (6, 7, 9), exclusive=False)) is not None  # runs on both sides of 8
+        around = claim(lock, (6, 7, 9), exclusive=False)  # runs on both sides of 8
+        assert around is not None
         release_now(around)
     finally:
         release_now(reader)
@@ -384,9 +395,8 @@ def test_threads_never_overlap_and_never_deadlock(lock: BlockLock) -> None:
 def test_direct_claim_context_manager(lock: BlockLock) -> None:
     with lock.claim([1, 2, 3], exclusive=False, holder="send") as held_claim:
         assert lock.blocks_claimed() == {"shared": 3, "exclusive": 0}
-        with pytest.raises(LockTimeout, match="'kv'"):
-            with lock.claim([3], timeout=0.01):
-                pytest.fail("entered blocks another claim holds")
+        with pytest.raises(LockTimeout, match="'kv'"), lock.claim([3], timeout=0.01):
+            pytest.fail("entered blocks another claim holds")
         held_claim.release()  # released early (any thread may); leaving the block is then a no-op
         assert lock.blocks_claimed() == {"shared": 0, "exclusive": 0}
     assert idle(lock)
@@ -454,7 +464,8 @@ def test_close_drops_claims_and_refuses_new_ones(tmp_path: Path) -> None:
     assert claim(second, (1,)) is None
     first.close()
     first.close()
-    assert (held := claim(second, (1,))) is not None  # closing the descriptions dropped the ranges
+    held = claim(second, (1,))  # closing the descriptions dropped the ranges
+    assert held is not None
     release_now(held)
     with pytest.raises(ValueError, match="closed"):
         claim(first, (1,))
@@ -467,7 +478,8 @@ def test_coalesce_gap_locks_small_gaps_too(tmp_path: Path) -> None:
     assert held is not None
     assert lock.blocks_claimed() == {"shared": 0, "exclusive": 3}  # the blocks asked for, not the gaps
     assert claim(lock, (2,)) is None and claim(lock, (3,)) is None
-    assert (beyond := claim(lock, (5, 6, 7, 8, 9))) is not None
+    beyond = claim(lock, (5, 6, 7, 8, 9))
+    assert beyond is not None
     release_now(beyond)
     assert lock.overlaps(Claim("a", (1, 4)), Claim("b", (3,)))  # so a context never waits on itself
     assert not lock.overlaps(Claim("a", (1, 4)), Claim("b", (5,)))
@@ -498,15 +510,16 @@ def test_direct_claim_interrupted_while_waiting_holds_nothing(lock: BlockLock) -
     previous = signal.signal(signal.SIGALRM, interrupt)
     try:
         signal.setitimer(signal.ITIMER_REAL, 0.05)
-        with pytest.raises(Interrupt):
-            with lock.claim([1, 2, 5], timeout=10):  # holds 1-2 and the turnstile at 5 while it waits
-                pytest.fail("entered blocks a reader holds")
+        # Holds 1-2 and the turnstile at 5 while it waits for the reader.
+        with pytest.raises(Interrupt), lock.claim([1, 2, 5], timeout=10):
+            pytest.fail("entered blocks a reader holds")
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
     release_now(blocker)
     assert idle(lock)
-    assert (everything := claim(lock, ())) is not None
+    everything = claim(lock, ())
+    assert everything is not None
     release_now(everything)
 
 

@@ -72,11 +72,13 @@ def test_sigkilled_holder_frees_its_blocks(tmp_path: Path, exclusive: bool) -> N
         conflicts: list[str] = []
         assert try_claim(lock, (6, 7), conflicts=conflicts) is None
         assert conflicts == ["write_back"]  # the holder's path, read across processes
-        assert (beside := try_claim(lock, (7, 8, 19, 21))) is not None  # blocks beside the claim are free
+        beside = try_claim(lock, (7, 8, 19, 21))  # blocks beside the claim are free
+        assert beside is not None
         release_now(beside)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
-        assert (after := try_claim(lock, (4, 5, 6, 20), timeout=10)) is not None
+        after = try_claim(lock, (4, 5, 6, 20), timeout=10)
+        assert after is not None
         release_now(after)
     lock.close()
 
@@ -174,7 +176,8 @@ def test_claim_held_at_fork_stays_the_parents(tmp_path: Path) -> None:
         proc.join(timeout=30)
     assert proc.exitcode == 0
     # The child exited holding block 3: the kernel dropped its range.
-    assert (again := try_claim(lock, (3,), timeout=10)) is not None
+    again = try_claim(lock, (3,), timeout=10)
+    assert again is not None
     release_now(again)
 
 

@@ -126,6 +126,10 @@ def _interrupt_at(opcode: int) -> Callable[..., Any]:
     return trace
 
 
+def _release_ignoring_holder(blocking: deque[Any], holder: str) -> None:
+    release_now(blocking)
+
+
 def _queue_writer_at(lock: BlockLock, block: int) -> deque[Any]:
     """A description holding `block`'s turnstile byte, as a writer queued there would."""
     fd = os.open(f"/proc/self/fd/{lock._descriptors.base}", os.O_RDWR | os.O_CLOEXEC)
@@ -173,7 +177,7 @@ def test_an_interrupt_at_any_bytecode_leaks_nothing(
         elif isinstance(blocker, Claim):
             assert view.acquire_into(blocking, blocker, 0)
         # The blocker goes away the moment the claim reports the conflict (or never, for the timeout case).
-        on_conflict = (lambda holder: release_now(blocking)) if granted_after_wait else None
+        on_conflict = functools.partial(_release_ignoring_holder, blocking) if granted_after_wait else None
         held: deque[Any] = deque()
         finished = False
         sys.settrace(_interrupt_at(opcode))
