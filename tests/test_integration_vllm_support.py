@@ -179,3 +179,60 @@ def _make_spec(vllm: upstream.Upstream) -> type:
             return self._worker
 
     return ThreadOffloadingSpec
+
+
+class Rig:
+    """A worker-side KVObsConnector around the real OffloadingConnector, with its own observer."""
+
+    def __init__(self, vllm: upstream.Upstream, *, integrity: str = "report", deadline: float = 30.0,
+                 tracer_provider: Any = None) -> None:
+        from prometheus_client import CollectorRegistry
+
+        import kvobs
+        from kvobs.integrations.vllm import use_observer
+
+        self.vllm = vllm
+        self.records: list[Any] = []
+        self.label = engine_label()
+        self.obs = kvobs.KVObserver(self.label, lock=None, registry=CollectorRegistry(), deadline=deadline,
+                                    hooks=[self.records.append], tracer_provider=tracer_provider)
+        self._undo = use_observer(self.obs)
+        self.connector = create(vllm, wrapper_config(vllm, offloading_child(), engine=self.label,
+                                                     integrity=integrity))
+        self.caches = layer_caches()
+
+    def register(self) -> Any:
+        self.connector.register_kv_caches(self.caches)
+        return backend(self.connector)
+
+    def step(self, load_jobs: dict | None = None, store_jobs: dict | None = None, save: bool = False) -> None:
+        """One engine step's connector calls up to the copies' submission (and wait_for_save if `save`)."""
+        self.connector.bind_connector_metadata(offloading_metadata(self.vllm, load_jobs, store_jobs))
+        self.connector.start_load_kv(None)
+        if save:
+            self.connector.wait_for_save()
+
+    def results_until(self, request_id: str | None = None, job_id: int | None = None) -> dict[str, Any]:
+        """The step's end, repeated until `request_id` is received or `job_id` counted done."""
+        seen: dict[str, Any] = {"finished_recving": set(), "failed_recving": set(), "invalid": set(),
+                                "completed_jobs": {}}
+
+        def done() -> bool:
+            results = self.connector.get_transfer_results(set())
+            seen["finished_recving"] |= results.finished_recving
+            seen["failed_recving"] |= results.failed_recving
+            seen["invalid"] |= self.connector.get_block_ids_with_load_errors()
+            meta = self.connector.build_connector_worker_meta()
+            seen["completed_jobs"].update(meta.completed_jobs if meta is not None else {})
+            return request_id in seen["finished_recving"] or job_id in seen["completed_jobs"]
+
+        wait_until(done)
+        self.connector.clear_connector_metadata()
+        return seen
+
+    def outcomes(self, path: str) -> list[tuple[Any, str]]:
+        return [(r.key, r.outcome) for r in self.records if r.path == path]
+
+    def close(self) -> None:
+        self.connector.shutdown()
+        self._undo()
