@@ -1,0 +1,88 @@
+"""The cache transfer process: `CacheTransferManager.read_storage_task` / `write_back_storage_task`.
+
+Each runs in a one-thread pool fed by `do_data_transfer`, one such process per tensor-parallel rank. The
+data moves in `_run_read_storage` / `_run_write_back_storage`, between the storage backend and this rank's
+`gpu_cache_k_tensors` / `gpu_cache_v_tensors`. Then every rank meets at a barrier, and the done signal
+goes to the engine (`cache_task_queue.put_transfer_done_signal`).
+
+So a transfer here covers exactly the copy: the lock is held and the checks run while and where the data
+moves (the read's destinations once they landed, on the blocks `_run_read_storage` returns: a partial
+storage hit checks only what loaded; the write-back's sources before they leave), and it ends before the
+barrier. A lock held up to the done signal would be held across the barrier: with one lock file shared by
+the ranks (FastDeploy's `gpu_cache_lock`), rank 0 would wait at the barrier holding it while rank 1 waits
+for it.
+
+Corrupt blocks never raise into the pool thread (the engine would wait for ever for a done signal): a
+corrupt read reports nothing loaded (`[]`), a corrupt write-back is not performed, and the done signal goes
+out saying so (its block list emptied). Blocks left out this way are in the transfer's `bad_block_ids`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from kvobs.integrations.fastdeploy.engine import READ_DONE, WRITE_DONE
+from kvobs.integrations.fastdeploy.kvcache import LayerCaches
+from kvobs.integrations.fastdeploy.patching import Patches
+from kvobs.observer import KVObserver
+from kvobs.transfer import Transfer
+
+_COPY_SPECS = {"keys": "k_cache_keys", "block_ids": "gpu_block_ids", "request_id": "task_id"}
+NOTHING_WRITTEN = 0  # what `_run_write_back_storage` returns when it wrote no block
+
+
+def instrument_cache_transfer_manager(manager: Any, obs: KVObserver) -> Patches:
+    """Guard `manager`'s storage copies and carry kvobs's verdicts in its done signals. Returns the undo."""
+    caches = LayerCaches(lambda: (manager.gpu_cache_k_tensors, manager.gpu_cache_v_tensors))
+    verdicts = Verdicts()
+    read = obs.prefetch(cache=caches, result=list, on_corrupt=verdicts.nothing_loaded, **_COPY_SPECS)
+    write = obs.write_back(cache=caches, on_corrupt=verdicts.nothing_written, **_COPY_SPECS)
+    patches = Patches()
+    patches.replace(manager, "_run_read_storage", read)  # the manager's bound copy keeps its `self`
+    patches.replace(manager, "_run_write_back_storage", write)
+    patches.replace(manager.cache_task_queue, "put_transfer_done_signal", verdicts.applied)
+    return patches
+
+
+class Verdicts:
+    """Tasks whose copy kvobs left out because of corrupt blocks, until their done signal goes out."""
+
+    def __init__(self) -> None:
+        self._left_out: set[tuple[str, Any]] = set()
+        self._lock = threading.Lock()
+
+    def nothing_loaded(self, t: Transfer, bad_ids: tuple[int, ...]) -> list[int]:
+        self._record(READ_DONE, t.request_id)
+        return []
+
+    def nothing_written(self, t: Transfer, bad_ids: tuple[int, ...]) -> int:
+        self._record(WRITE_DONE, t.request_id)
+        return NOTHING_WRITTEN
+
+    def _record(self, kind: str, task_id: Any) -> None:
+        with self._lock:
+            self._left_out.add((kind, task_id))
+
+    def applied(self, put_done_signal: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """Wrap `put_transfer_done_signal`: a task kvobs left out is reported with no blocks; always sent."""
+
+        def put_transfer_done_signal(result: Any) -> Any:
+            try:
+                result = self._verdict(result)
+            except Exception:  # noqa: BLE001, S110 - the done signal must go out whatever happens here
+                pass
+            return put_done_signal(result)
+
+        return put_transfer_done_signal
+
+    def _verdict(self, result: Any) -> Any:
+        kind = getattr(result[0], "name", None)
+        if kind not in (READ_DONE, WRITE_DONE):
+            return result
+        with self._lock:
+            left_out = (kind, result[1]) in self._left_out
+            self._left_out.discard((kind, result[1]))
+        return (*result[:-1], []) if left_out else result
+
