@@ -70,6 +70,7 @@ class CacheLock(Protocol):
 
 
 UNKNOWN_HOLDER = "unknown"
+_DIRECT = Claim("direct")
 
 
 class _ExclusiveLock:
@@ -110,8 +111,19 @@ class _ExclusiveLock:
         return time.monotonic() - since if since else 0.0
 
     def acquire(self, timeout: float | None = None) -> bool:
-        """Take the lock outside a kvobs guard; True when acquired, False when `timeout` expired."""
-        return self.acquire_into(self._direct, Claim("direct"), timeout)
+        """Take the lock outside a kvobs guard; True when acquired, False when `timeout` expired.
+
+        An exception while waiting (Ctrl-C) leaves nothing held: the steps taken so far are undone here,
+        since `with` calls no __exit__ for an __enter__ that raised."""
+        mine: Held = deque()
+        try:
+            if not self.acquire_into(mine, _DIRECT, timeout):
+                return False
+            self._direct = mine
+        except BaseException:
+            release_now(mine)
+            raise
+        return True
 
     def release(self) -> None:
         """Release what `acquire()` took; RuntimeError if it is not held that way."""

@@ -498,3 +498,30 @@ def test_lock_timeout_pickles_and_is_a_timeout_error() -> None:
     assert str(copy) == str(error)
     bare = pickle.loads(pickle.dumps(LockTimeout("kv", 0.5)))
     assert str(bare) == "cache lock 'kv' not acquired within 0.500 s" and bare.path is None
+
+
+def test_ctrl_c_while_with_lock_waits_for_another_process_leaves_nothing_held(tmp_path: Path) -> None:
+    """`with lock:` interrupted while it polls the flock of another process, holding the in-process mutex:
+    `with` calls no __exit__ for an __enter__ that raised, so acquire() itself must undo the mutex."""
+    lock = ProcessLock("cc", directory=tmp_path)
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    with holder("cc", tmp_path):
+        previous = signal.signal(signal.SIGUSR1, interrupt)
+        timer = threading.Timer(0.3, signal.pthread_kill, (threading.main_thread().ident, signal.SIGUSR1))
+        timer.start()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                with lock:
+                    pass
+        finally:
+            timer.join()
+            signal.signal(signal.SIGUSR1, previous)
+    acquired: list[bool] = []
+    t = threading.Thread(target=lambda: acquired.append(lock.acquire(5.0)))
+    t.start()
+    t.join()
+    assert acquired == [True]
+    lock.release()
