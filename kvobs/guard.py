@@ -26,8 +26,8 @@ from kvobs.arguments import Resolver, SpecError, compile_specs
 from kvobs.errors import TransferRejected
 from kvobs.transfer import UNSET, CorruptHandler, Route, Transfer
 
-SPEC_FIELDS = ("keys", "block_ids", "sync", "cache", "nbytes", "request_id", "group_sizes", "complete_later",
-               "trace_context")
+SPEC_FIELDS = ("keys", "block_ids", "requests", "sync", "cache", "nbytes", "request_id", "group_sizes",
+               "complete_later", "trace_context")
 
 
 class Guard:
@@ -148,6 +148,7 @@ class Guard:
         )
         return t.validate(
             block_ids=values.get("block_ids", UNSET),
+            requests=values.get("requests", UNSET),
             sync=values.get("sync"),
             group_sizes=values.get("group_sizes"),
             completes_later="complete_later" in values,

@@ -23,6 +23,7 @@ from kvobs.locks import CacheLock, NullLock, ThreadLock
 from kvobs.open_transfers import OpenTransfers
 from kvobs.signals import EarlySignalBuffer
 from kvobs.telemetry import metrics as tm
+from kvobs.telemetry.failures import TelemetryFailures
 from kvobs.telemetry.logs import default_logger, level_number
 from kvobs.telemetry.recorder import Hook, Recorder
 from kvobs.telemetry.tracing import TracerSource
@@ -113,9 +114,12 @@ class KVObserver:
         self.open = OpenTransfers(self.paths, self.deadline)
         self._caches = CacheCheck(block_dim)
         self.metrics: tm.EngineMetrics | None = None
+        # telemetry off: failures (a raising hook) are still logged once per kind, with nothing to count
+        self._failures: Callable[[str, BaseException], None] = TelemetryFailures(self.engine, None, self.logger)
         if self.telemetry:
             self.metrics = tm.EngineMetrics(tm.MetricFamilies.of(registry, buckets), self.engine, self.lock.name,
                                             logger=self.logger)
+            self._failures = self.metrics.count_telemetry_error
             self.metrics.bind_lock_held(self.lock, _held_for)
             if hasattr(self.lock, "blocks_claimed"):  # a lock that claims blocks, not the whole cache
                 for mode in sc.CLAIM_MODES:
@@ -146,8 +150,8 @@ class KVObserver:
         on_corrupt: CorruptHandler | None = None,
         **specs: Any,
     ) -> Guard:
-        """A decorator for `path`. Specs (`keys`, `block_ids`, `sync`, `cache`, `nbytes`, `request_id`,
-        `group_sizes`, `complete_later`) are parameter names or attribute paths ("task.gpu_block_ids"),
+        """A decorator for `path`. Specs (`keys`, `block_ids`, `requests`, `sync`, `cache`, `nbytes`,
+        `request_id`, `group_sizes`, `complete_later`, `trace_context`) are parameter names or attribute paths ("task.gpu_block_ids"),
         callables taking the call's arguments, or fixed values. `complete_later` names the key under which
         the transfer stays open after the call returns, until `obs.complete(path, key)`. `result` maps the
         call's return value (or what `complete` is given) to the block ids that actually moved. `check`
@@ -164,8 +168,9 @@ class KVObserver:
     # -- values: for code that is not one decorated call ---------------------------------------------------
 
     def transfer(self, path: str, *, check: Any = None, **values: Any) -> Transfer:
-        """A validated transfer for `with` / `async with` (values: `block_ids`, `keys`, `cache`, `nbytes`,
-        `request_id`, `key`, `group_sizes`): begun on entry, completed on a clean exit, failed otherwise."""
+        """A validated transfer for `with` / `async with` (values: `block_ids`, or `requests` mapping request
+        ids to block ids for a batch counted per request; `keys`, `cache`, `nbytes`, `request_id`, `key`,
+        `group_sizes`, `trace_context`): begun on entry, completed on a clean exit, failed otherwise."""
         return self._validated(self._route_for(path, check), values)
 
     def begin(self, path: str, *, check: Any = None, **values: Any) -> Transfer:
@@ -207,17 +212,15 @@ class KVObserver:
     # -- wiring ----------------------------------------------------------------------------------------------
 
     def _validated(self, route: Route, values: dict[str, Any]) -> Transfer:
-        unknown = set(values) - {"block_ids", "keys", "cache", "nbytes", "request_id", "key", "group_sizes",
-                                 "trace_context"}
+        unknown = set(values) - {"block_ids", "requests", "keys", "cache", "nbytes", "request_id", "key",
+                                 "group_sizes", "trace_context"}
         if unknown:
             raise TypeError(f"unknown transfer value(s) {sorted(unknown)}")
-        block_ids = values.get("block_ids")
+        given = {name: values[name] for name in ("block_ids", "requests") if values.get(name) is not None}
         t = Transfer(route, keys=values.get("keys"), cache=values.get("cache"), nbytes=values.get("nbytes"),
                      request_id=values.get("request_id"), key=values.get("key"),
                      trace_context=values.get("trace_context"))
-        if block_ids is None:
-            return t.validate(group_sizes=values.get("group_sizes"))
-        return t.validate(block_ids=block_ids, group_sizes=values.get("group_sizes"))
+        return t.validate(group_sizes=values.get("group_sizes"), **given)
 
     def _route(self, path: str) -> Route:
         policy = self._integrity[path]
@@ -268,8 +271,7 @@ class KVObserver:
         return route
 
     def _telemetry_failed(self, stage: str, exc: BaseException) -> None:
-        if self.metrics is not None:
-            self.metrics.count_telemetry_error(stage, exc)
+        self._failures(stage, exc)
 
     def _known_path(self, path: str, what: str) -> str:
         if path not in self.paths:

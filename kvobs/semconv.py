@@ -140,6 +140,7 @@ ATTR_BYTES: Final = "kvobs.bytes"
 ATTR_KEYS: Final = "kvobs.keys"
 ATTR_BLOCK_IDS: Final = "kvobs.block_ids"
 ATTR_REQUEST_ID: Final = "kvobs.request_id"
+ATTR_REQUEST_IDS: Final = "kvobs.request_ids"  # a batch: the requests one transfer moved (first 64)
 ATTR_LOCK_NAME: Final = "kvobs.lock.name"
 ATTR_LOCK_WAIT_S: Final = "kvobs.lock.wait_s"
 ATTR_LOCK_HOLD_S: Final = "kvobs.lock.hold_s"

@@ -37,6 +37,7 @@ class Captured:
     registry: CollectorRegistry
     exporter: InMemorySpanExporter
     log_capture: structlog.testing.LogCapture
+    provider: TracerProvider
 
     @property
     def spans(self) -> tuple[ReadableSpan, ...]:
@@ -68,6 +69,6 @@ def capture(engine: str = "test", **observer_options: Any) -> Iterator[Captured]
         engine, registry=registry, tracer_provider=provider, logger=logger, **observer_options
     )
     try:
-        yield Captured(observer, registry, exporter, log_capture)
+        yield Captured(observer, registry, exporter, log_capture, provider)
     finally:
         provider.shutdown()

@@ -34,7 +34,7 @@ from kvobs.locks import CacheLock, Claim
 from kvobs.open_transfers import OpenTransfers
 from kvobs.policy import IntegrityPolicy, Sampler
 from kvobs.telemetry.recorder import Recorder
-from kvobs.validation import Blocks, resolve_blocks, validate_keys, validate_sync
+from kvobs.validation import Blocks, resolve_blocks, resolve_requests, validate_keys, validate_sync
 
 NEW, WAITING, HELD, SUBMITTED = "new", "waiting", "held", "submitted"
 DONE, FAILED, ABANDONED, REJECTED, TIMED_OUT = "done", "failed", "abandoned", "rejected", "timed_out"
@@ -99,6 +99,7 @@ class Transfer:
     t_begin = t_acquired = t_end = 0.0
     due = float("inf")
     blocks: Blocks | None = None
+    requests: dict[Any, Blocks] | None = None  # a batch: each request's blocks (`blocks` is their union)
     claim: Claim | None = None
     skipped_result: Any = UNSET
     _held: Any = ()
@@ -119,19 +120,27 @@ class Transfer:
 
     # -- validation: before anything is locked ------------------------------------------------------------
 
-    def validate(self, *, block_ids: Any = UNSET, sync: Any = None, group_sizes: Any = None,
-                 completes_later: bool = False) -> Transfer:
-        """Check every input; a problem is recorded and raised as TransferRejected, with nothing held."""
+    def validate(self, *, block_ids: Any = UNSET, requests: Any = UNSET, sync: Any = None,
+                 group_sizes: Any = None, completes_later: bool = False) -> Transfer:
+        """Check every input; a problem is recorded and raised as TransferRejected, with nothing held.
+
+        `requests` (request id -> block ids) makes the transfer a batch: one lock claim and one span for
+        several requests, counted per request."""
         route = self.route
-        if block_ids is UNSET and sync is None and self.keys is None and self.cache is None \
-                and self.key is None and self.nbytes is None:
+        if block_ids is UNSET and requests is UNSET and sync is None and self.keys is None \
+                and self.cache is None and self.key is None and self.nbytes is None:
             self.claim = route.whole_cache
             return self
         try:
             validate_sync(self.path, sync, sync_required=route.sync_required, completes_later=completes_later)
+            if block_ids is not UNSET and requests is not UNSET:
+                raise TransferRejected(self.path, "give block_ids or requests (a batch), not both")
             if block_ids is not UNSET:
                 self.blocks = resolve_blocks(self.path, block_ids, capacity=route.capacity,
                                              page_size=route.page_size, group_sizes=group_sizes)
+            elif requests is not UNSET:
+                self.requests, self.blocks = resolve_requests(self.path, requests, capacity=route.capacity,
+                                                              page_size=route.page_size)
             validate_keys(self.path, self.keys, self.blocks, paired=route.page_size is None and group_sizes is None)
             self._validate_nbytes()
             self._validate_cache()

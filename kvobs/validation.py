@@ -119,6 +119,25 @@ def resolve_blocks(
     return Blocks(ids, tuple(sorted(set(ids))), len(ids))
 
 
+def resolve_requests(
+    path: str, requests: Any, *, capacity: int | None, page_size: int | None = None
+) -> tuple[dict[Any, Blocks], Blocks]:
+    """A batch: request id -> its block ids. Each request is validated on its own (no id twice within one
+    request); requests may share blocks (a common prefix). Returns the per-request blocks and their union."""
+    if not isinstance(requests, Mapping) or not requests:
+        raise TransferRejected(path, f"requests must be a non-empty mapping of request id to block ids, got "
+                                     f"{type(requests).__name__}")
+    per_request = {}
+    for request_id, ids in requests.items():
+        try:
+            per_request[request_id] = resolve_blocks(path, ids, capacity=capacity, page_size=page_size)
+        except TransferRejected as exc:
+            raise TransferRejected(path, f"request {request_id!r}: {exc.reason}") from None
+    all_ids = [i for blocks in per_request.values() for i in blocks.ids]
+    distinct = tuple(sorted({b for blocks in per_request.values() for b in blocks.distinct}))
+    return per_request, Blocks(all_ids, distinct, sum(b.count for b in per_request.values()))
+
+
 def _token_slots(path: str, slots: list[int], page_size: int, capacity: int | None) -> Blocks:
     if capacity is not None and slots and max(slots) >= capacity * page_size:
         raise TransferRejected(

@@ -419,6 +419,9 @@ class HolderMetrics:
         self.lock_wait = families.lock_wait.labels(engine, lock_name, holder)
         self.lock_hold = families.lock_hold.labels(engine, lock_name, holder)
         self.lock_timeouts = families.lock_timeouts.labels(engine, lock_name, holder)
+        self._conflicts_family = families.lock_conflicts
+        self._conflict_labels = (engine, lock_name, holder)
+        self._conflicts: dict[str, Any] = {}
         self._exemplars = not families.multiprocess
         self._failed = failed
 
@@ -429,6 +432,14 @@ class HolderMetrics:
         else:
             self.lock_wait.observe(wait_s)
         self.lock_hold.observe(hold_s)
+
+    def conflicted(self, holder_path: str) -> None:
+        """The holder had to wait for `holder_path` (a transfer path, or another holder)."""
+        counter = self._conflicts.get(holder_path)
+        if counter is None:
+            counter = self._conflicts[holder_path] = self._conflicts_family.labels(*self._conflict_labels,
+                                                                                   holder_path)
+        counter.inc()
 
     def timed_out(self, waited_s: float, exemplar: dict[str, str] | None = None) -> None:
         """The holder gave up after `waited_s` (`exemplar` goes on the wait)."""

@@ -65,6 +65,7 @@ class Ended(Protocol):
     t_acquired: float
     t_end: float
     blocks: Any  # kvobs.validation.Blocks | None
+    requests: dict[Any, Any] | None  # a batch: request id -> its Blocks
 
     def moved_blocks(self) -> Any: ...
 
@@ -133,6 +134,8 @@ class Recorder:
             attrs[sc.ATTR_KEYS] = [str(k) for k in t.keys[:MAX_IDS_ON_SPAN]]
         if t.request_id is not None:
             attrs[sc.ATTR_REQUEST_ID] = str(t.request_id)
+        if t.requests:
+            attrs[sc.ATTR_REQUEST_IDS] = [str(r) for r in list(t.requests)[:MAX_IDS_ON_SPAN]]
         return attrs
 
     def carrier(self, span: Any) -> dict[str, str]:
@@ -156,7 +159,7 @@ class Recorder:
             except Exception as exc:  # noqa: BLE001
                 self.failed("metrics", exc)
         self._log(logging.WARNING, "kvobs.transfer.rejected", t, None, reason=_describe(t.error))
-        self._hooks(t)
+        self._hooks(t, [(t.request_id, 0, 0)])
 
     def timed_out(self, t: Ended) -> None:
         waited = t.t_acquired - t.t_begin
@@ -171,10 +174,10 @@ class Recorder:
         span = t.span
         self._end_span(t)
         self._log(logging.WARNING, "kvobs.lock.timeout", t, span, lock=self.lock_name, waited_s=waited)
-        self._hooks(t)
+        self._hooks(t, [(t.request_id, 0, 0)])
 
     def conflicted(self, holder_path: str) -> None:
-        if self.metrics is not None and not self.holder:
+        if self.metrics is not None:
             try:
                 self.metrics.conflicted(holder_path)
             except Exception as exc:  # noqa: BLE001
@@ -207,13 +210,16 @@ class Recorder:
 
     def _ended(self, t: Ended) -> None:
         duration, wait, hold = _timings(t)
-        blocks, nbytes = self._moved(t)
+        moved = self._moved(t)
+        blocks, nbytes = sum(m[1] for m in moved), sum(m[2] for m in moved)
         if self.metrics is not None:
             try:
                 if self.holder:
                     self.metrics.held(wait, hold, None)
                 else:
-                    self.metrics.finished(t.outcome, duration, wait, hold, blocks, nbytes, self._exemplar(t.span))
+                    exemplar = self._exemplar(t.span)
+                    for _, count, size in moved:  # a batch counts one transfer per request
+                        self.metrics.finished(t.outcome, duration, wait, hold, count, size, exemplar)
             except Exception as exc:  # noqa: BLE001
                 self.failed("metrics", exc)
         span = t.span
@@ -229,7 +235,7 @@ class Recorder:
         if level >= self.log_level:
             self._log(level, "kvobs.transfer", t, span, outcome=t.outcome, blocks=blocks, duration_s=duration,
                       lock_wait_s=wait, lock_hold_s=hold, error=_describe(t.error))
-        self._hooks(t)
+        self._hooks(t, moved)
 
     # -- helpers ----------------------------------------------------------------------------------------
 
@@ -281,24 +287,33 @@ class Recorder:
         except Exception as exc:  # noqa: BLE001
             self.failed("logging", exc)
 
-    def _moved(self, t: Ended) -> tuple[int, int]:
-        """(blocks, bytes) the transfer moved: a call's own `nbytes`, else blocks x the observer's block size."""
-        blocks = t.moved_blocks()
-        count = blocks.count if blocks is not None else 0
-        return count, t.nbytes if t.nbytes is not None else count * self.block_bytes
+    def _moved(self, t: Ended) -> list[tuple[Any, int, int]]:
+        """(request id, blocks, bytes) moved, one entry per request of a batch, else one for the transfer.
+        Bytes: the call's own `nbytes` (shared out by blocks in a batch), else blocks x the block size."""
+        moved = t.moved_blocks()
+        if not t.requests:
+            count = moved.count if moved is not None else 0
+            return [(t.request_id, count, t.nbytes if t.nbytes is not None else count * self.block_bytes)]
+        kept = set(moved.distinct) if moved is not t.blocks and moved is not None else None
+        counts = [(rid, b.count if kept is None else len(kept.intersection(b.distinct)))
+                  for rid, b in t.requests.items()]
+        total = sum(c for _, c in counts) or 1
+        return [(rid, c, t.nbytes * c // total if t.nbytes is not None else c * self.block_bytes)
+                for rid, c in counts]
 
-    def _hooks(self, t: Ended) -> None:
+    def _hooks(self, t: Ended, moved: list[tuple[Any, int, int]]) -> None:
+        """One TransferRecord per request (per transfer when it is not a batch)."""
         if not self.hooks:
             return
         duration, wait, hold = _timings(t)
-        blocks, nbytes = self._moved(t)
-        record = TransferRecord(self.engine, self.path, t.outcome, duration, wait, hold, blocks, nbytes,
-                                t.error, tuple(t.bad_block_ids), t.request_id, t.key)
-        for hook in self.hooks:
-            try:
-                hook(record)
-            except Exception as exc:  # noqa: BLE001
-                self.failed("hook", exc)
+        for request_id, count, size in moved:
+            record = TransferRecord(self.engine, self.path, t.outcome, duration, wait, hold, count, size,
+                                    t.error, tuple(t.bad_block_ids), request_id, t.key)
+            for hook in self.hooks:
+                try:
+                    hook(record)
+                except Exception as exc:  # noqa: BLE001
+                    self.failed("hook", exc)
 
 
 def _timings(t: Ended) -> tuple[float, float, float]:
