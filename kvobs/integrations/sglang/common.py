@@ -1,0 +1,47 @@
+"""What every SGLang hook shares: the lock rule, and reporting a hook's own failure without raising."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvobs.locks import ProcessLock, ThreadLock
+from kvobs.observer import KVObserver
+
+
+def refuse_global_lock(obs: KVObserver) -> None:
+    """SGLang keeps many copies in flight (every node written through, several loads per step, one send per
+    request). A transfer holds its lock until SGLang acknowledges the copy, so on one global lock the second
+    copy would wait for the first acknowledgement, which comes only after the scheduler moves on: a lock
+    timeout inside the engine. Refused when the integration is set up, not at the first request."""
+    if isinstance(obs.lock, (ThreadLock, ProcessLock)):
+        raise ValueError(
+            f"the observer's lock {obs.lock.name!r} is one lock for the whole cache, held by every transfer until "
+            "SGLang acknowledges its copy; SGLang keeps many copies in flight, so they would wait on each other "
+            "and time out. Build the observer with lock=None (observe and check only) or a "
+            "kvobs.block_lock.BlockLock (copies of different pages never wait on each other)"
+        )
+
+
+class HookErrors:
+    """Logs a failure of kvobs's own hook code once per stage; the engine never sees it."""
+
+    def __init__(self, obs: KVObserver) -> None:
+        self._logger = obs.logger
+        self._seen: set[str] = set()
+
+    def __call__(self, stage: str, exc: BaseException) -> None:
+        if stage in self._seen:
+            return
+        self._seen.add(stage)
+        try:
+            self._logger.error("kvobs.sglang: a hook failed; SGLang went on unobserved", stage=stage,
+                               error=repr(exc))
+        except Exception:  # noqa: BLE001 - a broken logger must not break the engine either
+            pass
+
+
+def node_id(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """`node_id` of `write`/`load(indices, priority=None, node_id=-1, ...)` however it was passed."""
+    if "node_id" in kwargs:
+        return kwargs["node_id"]
+    return args[1] if len(args) > 1 else -1

@@ -1,0 +1,187 @@
+"""HiCache: SGLang's device <-> host KV copies as kvobs write-back and prefetch transfers.
+
+- `write(device_indices, ..., node_id)` starts the device -> host copy at once (its `start_writing()` runs
+  inside, unless a hybrid controller is told `flush=False`): the write-back transfer begins before it, so the
+  source pages are checked before any byte is copied. Corrupt sources (or a BlockLock that times out) are not
+  copied: `write` answers None, SGLang's own answer when host memory is full, and the node stays on the
+  device only. Nothing waits for an acknowledgement that will never come.
+- `load(host_indices, ..., node_id)` only allocates destination slots and queues the host -> device copy: the
+  prefetch transfer begins when it returns (on the slots it returned), its copy starts in `start_loading()`.
+- Both complete when SGLang takes the copy's acknowledgement off its list (`acks.AckList`): destinations of a
+  load are checked then, on the pages that moved. A corrupt load is recorded (outcome error, CorruptKVError,
+  counted and logged) and never raised into SGLang's checks.
+
+Token slots are mapped to pages with the controller's page size (`pages.PageIds`).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvobs import semconv as sc
+from kvobs.errors import CorruptKVError, KVObsError, LockTimeout
+from kvobs.integrations.sglang.acks import AckList, AckWatcher
+from kvobs.integrations.sglang.common import HookErrors, node_id, refuse_global_lock
+from kvobs.integrations.sglang.errors import CopyNotConfirmed
+from kvobs.integrations.sglang.pages import PageIds, page_views
+from kvobs.integrations.sglang.patching import Patches, is_instrumented
+from kvobs.observer import KVObserver
+
+DEVICE_POOL = "device_pool"
+CacheOf = Callable[[Any], Any]
+
+
+@dataclass(eq=False)
+class ControllerState:
+    """What kvobs keeps per HiCache controller."""
+
+    ids: PageIds
+    cache: Any
+    bytes_per_slot: int | None
+    writes: AckWatcher
+    loads: AckWatcher
+
+    def nbytes(self, indices: Any) -> int | None:
+        return None if self.bytes_per_slot is None else len(indices) * self.bytes_per_slot
+
+
+class Controllers:
+    """The hooks of `write` and `load`, and per-controller state created at a controller's first copy."""
+
+    def __init__(self, obs: KVObserver, cache: CacheOf | str | None) -> None:
+        self.obs = obs
+        self._cache = cache
+        self._errors = HookErrors(obs)
+        self._states: weakref.WeakKeyDictionary[Any, ControllerState] = weakref.WeakKeyDictionary()
+        self._states_lock = threading.Lock()
+        self._inside = threading.local()  # a subclass's write/load calling the base's: observed once
+
+    def state(self, controller: Any) -> ControllerState:
+        state = self._states.get(controller)
+        if state is None:
+            with self._states_lock:
+                state = self._states.get(controller) or self._attach(controller)
+        return state
+
+    def _attach(self, controller: Any) -> ControllerState:
+        ids = PageIds(self.obs.page_size, controller.page_size)
+        writes = AckWatcher(sc.PATH_WRITE_BACK, self._errors)
+        loads = AckWatcher(sc.PATH_PREFETCH, self._errors)
+        state = ControllerState(ids, self._cache_for(controller), _bytes_per_slot(controller), writes, loads)
+        controller.ack_write_queue = AckList(controller.ack_write_queue, writes)
+        controller.ack_load_queue = AckList(controller.ack_load_queue, loads)
+        self._states[controller] = state
+        return state
+
+    def _cache_for(self, controller: Any) -> Any:
+        if self._cache is None:
+            return None
+        if self._cache != DEVICE_POOL:
+            return self._cache(controller)
+        views, why = page_views(controller.mem_pool_device, controller.page_size)
+        if views is None:
+            self.obs.logger.warning("kvobs.sglang: HiCache copies observed without NaN/Inf checks", reason=why)
+        return views
+
+    def write(self, original: Callable[..., Any], controller: Any, device_indices: Any, *args: Any,
+              **kwargs: Any) -> Any:
+        if getattr(self._inside, "on", False):
+            return original(controller, device_indices, *args, **kwargs)
+        state = self.state(controller)
+        try:
+            t = self.obs.begin(sc.PATH_WRITE_BACK, block_ids=state.ids.from_slots(device_indices),
+                               cache=state.cache, nbytes=state.nbytes(device_indices),
+                               request_id=node_id(args, kwargs))
+        except (CorruptKVError, LockTimeout):
+            return None  # not copied (recorded): SGLang's answer when host memory is full
+        except KVObsError:
+            return self._call(original, controller, device_indices, *args, **kwargs)  # refused input: recorded
+        state.writes.queued(t)
+        try:
+            host_indices = self._call(original, controller, device_indices, *args, **kwargs)
+        except BaseException as exc:
+            state.writes.unqueued(t)
+            t.fail(exc)
+            raise
+        if host_indices is None:
+            state.writes.unqueued(t)
+            t.fail(CopyNotConfirmed(sc.PATH_WRITE_BACK, "SGLang had no host memory for it: nothing was copied"))
+        return host_indices
+
+    def load(self, original: Callable[..., Any], controller: Any, host_indices: Any, *args: Any,
+             **kwargs: Any) -> Any:
+        if getattr(self._inside, "on", False):
+            return original(controller, host_indices, *args, **kwargs)
+        state = self.state(controller)
+        device_indices = self._call(original, controller, host_indices, *args, **kwargs)
+        if device_indices is None or len(device_indices) == 0:
+            return device_indices
+        try:
+            t = self.obs.begin(sc.PATH_PREFETCH, block_ids=state.ids.from_slots(device_indices),
+                               cache=state.cache, nbytes=state.nbytes(device_indices),
+                               request_id=node_id(args, kwargs))
+        except KVObsError:
+            return device_indices  # recorded; the slots are SGLang's already, so the load goes on unobserved
+        state.loads.queued(t)
+        return device_indices
+
+    def _call(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        self._inside.on = True
+        try:
+            return original(*args, **kwargs)
+        finally:
+            self._inside.on = False
+
+    def detach(self) -> None:
+        """Give every controller its plain lists back; transfers still open can no longer be completed."""
+        with self._states_lock:
+            states = list(self._states.items())
+            self._states.clear()
+        for controller, state in states:
+            controller.ack_write_queue = list(controller.ack_write_queue)
+            controller.ack_load_queue = list(controller.ack_load_queue)
+            for t in state.writes.open_transfers() + state.loads.open_transfers():
+                t.abandon()
+
+
+def _bytes_per_slot(controller: Any) -> int | None:
+    host = controller.mem_pool_host
+    anchor = getattr(host, "anchor_entry", None)  # a hybrid controller's host pool group
+    size = getattr(anchor.host_pool if anchor is not None else host, "size_per_token", None)
+    return size if isinstance(size, int) else None
+
+
+def instrument_hicache(obs: KVObserver, target: Any = None, *, cache: CacheOf | str | None = DEVICE_POOL) -> Patches:
+    """Observe HiCache's copies: `target` is a controller object, a controller class, or None for SGLang's
+    `HiCacheController` and `HybridCacheController` (the radix cache's). `cache`: "device_pool" checks the
+    controller's own device KV pool; a callable(controller) returns what to check; None checks nothing.
+    Returns the undo handle. The observer's lock must be None or a BlockLock (see `common.refuse_global_lock`)."""
+    refuse_global_lock(obs)
+    if cache is not None and cache != DEVICE_POOL and not callable(cache):
+        raise TypeError(f"cache must be 'device_pool', a callable(controller) or None, got {cache!r}")
+    hooks = Controllers(obs, cache)
+    patches = Patches()
+    patches.add(hooks.detach)
+    try:
+        for each in _controller_classes() if target is None else [target]:
+            if is_instrumented(getattr(each, "write", None)):
+                continue  # kvobs observes it already
+            if not isinstance(each, type):
+                hooks.state(each)  # a controller object: checked (page size) and its lists watched from now on
+            patches.wrap_method(each, "write", hooks.write)
+            patches.wrap_method(each, "load", hooks.load)
+    except BaseException:
+        patches.undo()
+        raise
+    return patches
+
+
+def _controller_classes() -> list[type]:
+    from sglang.srt.managers.cache_controller import HiCacheController
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+
+    return [HiCacheController, HybridCacheController]
