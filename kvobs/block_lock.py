@@ -191,10 +191,9 @@ class BlockLock:
         return True
 
     def overlaps(self, a: Claim, b: Claim) -> bool:
-        """Claims exclude each other when at least one is exclusive and the blocks they lock meet (no blocks:
-        all; with `coalesce_gap`, the gap blocks they lock count too)."""
-        if not (a.exclusive or b.exclusive):
-            return False
+        """Whether a context holding `a` must not wait for `b`: the blocks they lock meet (no blocks: all;
+        with `coalesce_gap`, the gap blocks they lock count too), whatever their modes: even two shared
+        claims, since the second would queue behind a waiting writer that waits for the first."""
         if not a.blocks or not b.blocks:
             return True
         return not self._locked_blocks(a).isdisjoint(self._locked_blocks(b))

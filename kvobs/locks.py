@@ -63,7 +63,7 @@ class CacheLock(Protocol):
     ) -> bool: ...
 
     def overlaps(self, a: Claim, b: Claim) -> bool:
-        """Whether two claims on this lock exclude each other (a context holding `a` must not wait for `b`)."""
+        """Whether a context holding `a` must not wait for `b` (it could wait for itself)."""
 
     def held_for(self) -> float:
         """Seconds the longest current holder in this process has held the lock; 0.0 when none does."""

@@ -223,10 +223,11 @@ def test_held_for_and_blocks_claimed(lock: BlockLock) -> None:
     [
         (Claim("x", (1, 2), True), Claim("y", (2, 3), True), True),
         (Claim("x", (1, 2), True), Claim("y", (3, 4), True), False),
-        (Claim("x", (1, 2), False), Claim("y", (1, 2), False), False),
+        (Claim("x", (1, 2), False), Claim("y", (1, 2), False), True),  # would queue behind a writer
+        (Claim("x", (1, 2), False), Claim("y", (3,), False), False),
         (Claim("x", (1, 2), False), Claim("y", (2,), True), True),
         (Claim("x", (), False), Claim("y", (9,), True), True),
-        (Claim("x", (), False), Claim("y", (), False), False),
+        (Claim("x", (), False), Claim("y", (), False), True),
         (Claim("x", (5,), True), Claim("y", (), True), True),
     ],
 )
