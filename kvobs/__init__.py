@@ -15,7 +15,7 @@ from kvobs.locks import NullLock, ProcessLock, ThreadLock
 from kvobs.observer import KVObserver
 from kvobs.policy import IntegrityPolicy
 from kvobs.signals import EarlySignalBuffer, ReadySignal
-from kvobs.telemetry.errors import DuplicateEngine, MetricNameConflict, MultiprocessDirError
+from kvobs.errors import DuplicateEngine, MetricNameConflict, MultiprocessDirError
 from kvobs.telemetry.exposition import start_metrics_server
 from kvobs.telemetry.logs import add_trace_context
 from kvobs.telemetry.recorder import TransferRecord

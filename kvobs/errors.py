@@ -84,3 +84,109 @@ class CorruptKVError(KVObsError, RuntimeError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return type(self), (self.path, self.result)
+
+
+class MetricNameConflict(KVObsError, ValueError):
+    """The registry already holds metrics named like kvobs's; nothing of kvobs was registered on it."""
+
+    def __init__(self, detail: str) -> None:
+        self.detail = detail
+        super().__init__(
+            f"this Prometheus registry already holds metric names kvobs needs ({detail}); nothing of kvobs "
+            "was registered on it: unregister those collectors, or give kvobs its own registry "
+            "(KVObserver(registry=CollectorRegistry()))"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.detail,)
+
+
+class DuplicateEngine(KVObsError, ValueError):
+    """A second live observer asked for an engine label already used on the same registry."""
+
+    def __init__(self, engine: str) -> None:
+        self.engine = engine
+        super().__init__(
+            f"engine label {engine!r} is already used by a live kvobs observer on this registry; two observers "
+            "would share its series (and one's gauges would hide the other's): give each observer a distinct "
+            f"engine label (e.g. {engine + '-2'!r}), or drop the first observer before creating another"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.engine,)
+
+
+class MultiprocessDirError(KVObsError, ValueError):
+    """PROMETHEUS_MULTIPROC_DIR does not name a directory this process can write its metric files into."""
+
+    def __init__(self, variable: str, path: str, reason: str) -> None:
+        self.variable = variable
+        self.path = path
+        self.reason = reason
+        super().__init__(
+            f"{variable}={path!r} {reason}: in multiprocess mode every worker writes its metrics there; "
+            f"create the directory (writable by this user, emptied before the workers start), or unset "
+            f"{variable} for a single process"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.variable, self.path, self.reason)
+
+
+class UnsafeLockFile(KVObsError, PermissionError):
+    """A lock file or lock directory kvobs refuses to use; `reason` says why, `path` says which."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        # One message argument: given several, OSError would read them as (errno, strerror, filename).
+        super().__init__(f"refusing cache lock path {path}: {reason}")
+        self.path = path
+        self.reason = reason
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.path, self.reason)
+
+
+class InvalidLockName(KVObsError, ValueError):
+    """A lock name that cannot become a lock file name (bad characters, or too long for the file system)."""
+
+    def __init__(self, name: object, reason: str) -> None:
+        super().__init__(f"invalid cache lock name {name!r}: {reason}")
+        self.name = name
+        self.reason = reason
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.name, self.reason)
+
+
+class SignalBufferFull(KVObsError, RuntimeError):
+    """A signal buffer refused a call because one of its bounds is reached; the call changed nothing.
+
+    `limit` names the bound (`max_slots` registered tasks, or the step record of a step-aligned buffer) and
+    `size` its value. Reaching it means a task is never finished, or `end_step()` is never called.
+    """
+
+    def __init__(self, limit: str, size: int, hint: str) -> None:
+        super().__init__(f"signal buffer full: {limit}={size} reached; {hint}")
+        self.limit = limit
+        self.size = size
+        self.hint = hint
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return type(self), (self.limit, self.size, self.hint)
+
+
+class OFDUnsupported(KVObsError, OSError):
+    """This platform has no OFD locks in the layout kvobs packs (it needs 64-bit Linux >= 3.15)."""
+
+
+class SpanExportFailed(KVObsError):
+    """An exporter reported FAILURE for a batch (it raises nothing itself, so this names the kind in logs)."""
+
+    def __init__(self, exporter: str, spans: int, reason: str) -> None:
+        super().__init__(f"{exporter} failed to export {spans} spans: {reason}")
+        self.exporter = exporter
+        self.spans = spans
+        self.reason = reason
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.exporter, self.spans, self.reason)

@@ -21,9 +21,8 @@ import os
 import re
 import stat
 import tempfile
-from typing import Any
 
-from kvobs.errors import KVObsError
+from kvobs.errors import InvalidLockName, UnsafeLockFile
 from kvobs.semconv import ENV_LOCK_DIR
 
 __all__ = [
@@ -42,31 +41,6 @@ _OPEN_FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_MODE = 0o600
 _DIRECTORY_MODE = 0o700
 _PROC_FD = "/proc/self/fd"
-
-
-class UnsafeLockFile(KVObsError, PermissionError):
-    """A lock file or lock directory kvobs refuses to use; `reason` says why, `path` says which."""
-
-    def __init__(self, path: str, reason: str) -> None:
-        # One message argument: given several, OSError would read them as (errno, strerror, filename).
-        super().__init__(f"refusing cache lock path {path}: {reason}")
-        self.path = path
-        self.reason = reason
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return type(self), (self.path, self.reason)
-
-
-class InvalidLockName(KVObsError, ValueError):
-    """A lock name that cannot become a lock file name (bad characters, or too long for the file system)."""
-
-    def __init__(self, name: object, reason: str) -> None:
-        super().__init__(f"invalid cache lock name {name!r}: {reason}")
-        self.name = name
-        self.reason = reason
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return type(self), (self.name, self.reason)
 
 
 def base_directory() -> str:

@@ -18,6 +18,8 @@ import struct
 import sys
 from typing import NamedTuple
 
+from kvobs.errors import OFDUnsupported
+
 __all__ = [
     "FLOCK",
     "F_OFD_GETLK",
@@ -43,10 +45,6 @@ FLOCK = struct.Struct("=hh4xqqi4x")
 UNLOCK_ALL: bytes = FLOCK.pack(fcntl.F_UNLCK, os.SEEK_SET, 0, 0, 0)
 
 _CONTENTION = (errno.EAGAIN, errno.EACCES)  # POSIX allows either for "held by someone else"
-
-
-class OFDUnsupported(OSError):
-    """This platform has no OFD locks in the layout kvobs packs (it needs 64-bit Linux >= 3.15)."""
 
 
 class Conflict(NamedTuple):

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from kvobs import semconv as sc
 from kvobs.telemetry import metrics as tm
-from kvobs.telemetry.errors import DuplicateEngine, MetricNameConflict, MultiprocessDirError
+from kvobs.errors import DuplicateEngine, MetricNameConflict, MultiprocessDirError
 from kvobs.telemetry.exposition import scrape_registry
 
 
@@ -99,7 +99,7 @@ def test_configuration_errors_pickle():
 CREATE = textwrap.dedent("""
     from prometheus_client import CollectorRegistry
     from kvobs.telemetry.metrics import MetricFamilies
-    from kvobs.telemetry.errors import MultiprocessDirError
+    from kvobs.errors import MultiprocessDirError
     try:
         MetricFamilies.of(CollectorRegistry())
     except MultiprocessDirError as exc:

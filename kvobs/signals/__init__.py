@@ -5,8 +5,9 @@
 release identical batches. Both share one decision core (`kvobs.signals.core`).
 """
 
+from kvobs.errors import SignalBufferFull
 from kvobs.signals.immediate import EarlySignalBuffer
-from kvobs.signals.records import Progress, ReadySignal, SignalBufferFull
+from kvobs.signals.records import Progress, ReadySignal
 from kvobs.signals.step_aligned import StepAlignedSignalBuffer
 
 __all__ = ["EarlySignalBuffer", "Progress", "ReadySignal", "SignalBufferFull", "StepAlignedSignalBuffer"]

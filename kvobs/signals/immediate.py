@@ -17,9 +17,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvobs.errors import SignalBufferFull
 from kvobs.signals.core import DEFAULT_MAX_SLOTS, SignalBufferCore
 from kvobs.signals.inputs import as_int, step_batch
-from kvobs.signals.records import Decision, ReadySignal, SignalBufferFull
+from kvobs.signals.records import Decision, ReadySignal
 from kvobs.telemetry.metrics import EngineMetrics
 
 
@@ -92,19 +93,22 @@ class EarlySignalBuffer(SignalBufferCore):
         if not (type(slot) is int and type(need_tokens) is int and slot | need_tokens >= 0):
             slot, need_tokens = as_int(slot, "slot"), as_int(need_tokens, "need_tokens")
         out: list[Decision] = []
-        recovered = error = None
+        recovered = None
+        duplicate = full = False
         with self._lock:
             if slot in self._live:
-                error = ValueError(f"slot {slot} is already registered; finish() it before registering it again")
+                duplicate = True
             elif len(self._live) >= self._max_slots:
+                full = True
                 self._refuse_locked(slot, need_tokens, out)
-                error = SignalBufferFull("max_slots", self._max_slots, "finish() every slot whose task ended")
             else:
                 recovered = self._register_locked(slot, need_tokens, out)
         if out:
             self._reporter.describe(out)
-        if error is not None:
-            raise error
+        if duplicate:
+            raise ValueError(f"slot {slot} is already registered; finish() it before registering it again")
+        if full:
+            raise SignalBufferFull("max_slots", self._max_slots, "finish() every slot whose task ended")
         if recovered is not None and self._on_recovered is not None:
             self._on_recovered(recovered)
             return None

@@ -1,14 +1,12 @@
 """The values the signal buffers hand out and the records they keep, each a small named type.
 
-Named tuples where a value is created on the hot path: building one costs about a third of a frozen
-dataclass, and it is still immutable and read by name.
+Named tuples where a value is created on the hot path: building one costs a fraction of a frozen dataclass,
+and it is still immutable and read by name.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
-
-from kvobs.errors import KVObsError
 
 
 class ReadySignal(NamedTuple):
@@ -59,18 +57,3 @@ class Pending:
         self.tokens, self.since, self.wall = tokens, since, wall
 
 
-class SignalBufferFull(KVObsError, RuntimeError):
-    """A signal buffer refused a call because one of its bounds is reached; the call changed nothing.
-
-    `limit` names the bound (`max_slots` registered tasks, or the step record of a step-aligned buffer) and
-    `size` its value. Reaching it means a task is never finished, or `end_step()` is never called.
-    """
-
-    def __init__(self, limit: str, size: int, hint: str) -> None:
-        super().__init__(f"signal buffer full: {limit}={size} reached; {hint}")
-        self.limit = limit
-        self.size = size
-        self.hint = hint
-
-    def __reduce__(self) -> tuple[object, ...]:
-        return type(self), (self.limit, self.size, self.hint)

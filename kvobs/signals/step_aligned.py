@@ -31,9 +31,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvobs import semconv as sc
+from kvobs.errors import SignalBufferFull
 from kvobs.signals.core import DEFAULT_MAX_SLOTS, SignalBufferCore
 from kvobs.signals.inputs import as_int, step_batch
-from kvobs.signals.records import NO_PROGRESS, Decision, ReadySignal, SignalBufferFull, decision
+from kvobs.signals.records import NO_PROGRESS, Decision, ReadySignal, decision
 from kvobs.telemetry.metrics import EngineMetrics
 
 _FINISH = None  # a staged finish() in a slot's list of staged calls; a registration stages its need_tokens
@@ -146,24 +147,25 @@ class StepAlignedSignalBuffer(SignalBufferCore):
 
     def _stage_call(self, slot: int, need: int | None) -> None:
         out: list[Decision] = []
-        error: Exception | None = None
+        duplicate = full = False
         with self._lock:
             calls = self._staged_calls.get(slot)
             if need is not _FINISH and (calls[-1] is not _FINISH if calls else slot in self._live):
-                error = ValueError(f"slot {slot} is already registered; finish() it before registering it again")
+                duplicate = True
             elif self._staged_call_count >= self._max_staged_calls:
+                full = True
                 self._counts[sc.SIGNAL_REFUSED] += 1
                 out.append(decision(sc.SIGNAL_REFUSED, slot, None, need, 0.0))
-                error = SignalBufferFull("2*max_slots", self._max_staged_calls,
-                                         "registrations and finishes recorded in one step; call end_step() "
-                                         "once per model-runner step")
             else:
                 self._staged_calls.setdefault(slot, []).append(need)
                 self._staged_call_count += 1
         if out:
             self._reporter.describe(out)
-        if error is not None:
-            raise error
+        if duplicate:
+            raise ValueError(f"slot {slot} is already registered; finish() it before registering it again")
+        if full:
+            raise SignalBufferFull("2*max_slots", self._max_staged_calls, "registrations and finishes recorded in "
+                                   "one step; call end_step() once per model-runner step")
 
     def _stage_signal_locked(self, slot: int, layer: int, tokens: int, out: list[Decision]) -> None:
         """Merge into the step's record; beyond max_pending slots keep the lowest-numbered ones (order-free)."""

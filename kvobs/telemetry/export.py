@@ -17,25 +17,16 @@ from typing import Any
 
 from opentelemetry.context import Context
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.export import (
+    BatchSpanProcessor,
+    SpanExporter,
+    SpanExportResult,
+)
 
-from kvobs.errors import KVObsError
+from kvobs.errors import SpanExportFailed
 from kvobs.telemetry.failures import STAGE_EXPORT
 
 Failed = Callable[[str, BaseException], None]
-
-
-class SpanExportFailed(KVObsError):
-    """An exporter reported FAILURE for a batch (it raises nothing itself, so this names the kind in logs)."""
-
-    def __init__(self, exporter: str, spans: int, reason: str) -> None:
-        super().__init__(f"{exporter} failed to export {spans} spans: {reason}")
-        self.exporter = exporter
-        self.spans = spans
-        self.reason = reason
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return type(self), (self.exporter, self.spans, self.reason)
 
 
 class CountingSpanExporter(SpanExporter):

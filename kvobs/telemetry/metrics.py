@@ -43,7 +43,7 @@ from kvobs.telemetry.accumulators import (
     HistogramFamily,
 )
 from kvobs.telemetry.buffers import ThreadBuffers
-from kvobs.telemetry.errors import DuplicateEngine, MetricNameConflict
+from kvobs.errors import DuplicateEngine, MetricNameConflict
 from kvobs.telemetry.failures import STAGE_EXPORT, STAGE_METRICS, STAGE_SCRAPE, TELEMETRY_STAGES, TelemetryFailures
 from kvobs.telemetry.multiprocess import check_multiprocess_dir, multiprocess_enabled
 from kvobs.telemetry.refresher import Refresher

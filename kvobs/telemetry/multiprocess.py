@@ -13,7 +13,7 @@ import tempfile
 from prometheus_client import values as prometheus_values
 
 from kvobs import semconv as sc
-from kvobs.telemetry.errors import MultiprocessDirError
+from kvobs.errors import MultiprocessDirError
 
 _LEGACY_VARIABLE = "prometheus_multiproc_dir"  # still honoured by prometheus_client
 
