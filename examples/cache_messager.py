@@ -29,7 +29,7 @@ from kvobs.signals import ReadySignal, StepAlignedSignalBuffer
 LAYERS = 4
 registry = CollectorRegistry()  # an application would usually keep prometheus_client's default registry
 obs = kvobs.KVObserver("cache-messager-example", registry=registry, lock=None, integrity=None)
-signals = obs.signal_buffer(ttl_s=0.5, max_pending=64)
+signals = obs.signal_buffer(ttl_s=1.0, max_pending=64)
 ready: queue.Queue[ReadySignal | None] = queue.Queue()  # sends that may start, for the sender thread
 slot0_registered, slot1_signalled, leftovers_signalled = threading.Event(), threading.Event(), threading.Event()
 
@@ -58,6 +58,7 @@ def scheduler() -> None:
     time.sleep(0.01)
     if (sig := signals.register(1, need_tokens=64)) is not None:  # the early signal is recovered, exactly once
         ready.put(sig)
+    ready.join()  # both sends handed over (this only keeps the printed lines in order)
     leftovers_signalled.wait()
     kept = signals.register(2, need_tokens=128)  # the stale signal claims more tokens than this task needs
     print(f"slot 2 registered, stale signal dropped: {kept is None}")
@@ -70,6 +71,7 @@ def sender() -> None:
         waited = f" after waiting {sig.buffered_s * 1e3:.1f} ms" if sig.buffered_s else ""
         print(f"send started: slot {sig.slot}, {sig.tokens} tokens{waited}")
         signals.finish(sig.slot)
+        ready.task_done()
 
 
 def single_rank() -> None:
@@ -84,7 +86,7 @@ def single_rank() -> None:
     send_thread.join()
     # slot 7's orphaned signal: its age is visible at every scrape until it expires
     print(f"pending: {signals.pending_count}, oldest waiting {signals.oldest_pending_age() * 1e3:.0f} ms")
-    time.sleep(0.55)
+    time.sleep(1.05)
     print(f"expired: {signals.expire()}")
     signals.finish(2)
 

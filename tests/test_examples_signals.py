@@ -18,9 +18,9 @@ def test_cache_messager_example_recovers_sends_drops_and_keeps_ranks_in_step():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
     sends = [line for line in out.splitlines() if line.startswith("send started")]
+    assert len(sends) == 2, out + proc.stderr  # the stale (slot 2), failed (3) and orphaned (7) signals never send
     assert sends[0] == "send started: slot 0, 128 tokens"  # registered first: ready at once
     assert sends[1].startswith("send started: slot 1, 64 tokens after waiting")  # recovered when it registered
-    assert len(sends) == 2  # the stale (slot 2), failed (3) and orphaned (7) signals never send
     assert "slot 2 registered, stale signal dropped: True" in out
     assert "pending: 1, oldest waiting" in out and "expired: 1" in out
     assert "identical: True" in out

@@ -347,6 +347,56 @@ class Boom:
         raise RuntimeError("telemetry is broken")
 
 
+def recover_after(buf: EarlySignalBuffer, clock: FakeClock, waits: list[float]) -> list[float]:
+    """Buffer then recover one signal per wait; the waits as the buffer measured them."""
+    measured = []
+    for slot, wait in enumerate(waits):
+        buf.signal(slot, 0, 1)
+        clock.advance(wait)
+        measured.append(buf.register(slot, 1).buffered_s)
+    return measured
+
+
+def test_recovered_waits_reach_the_histogram_in_one_batch_as_observe_would_put_them():
+    registry, metrics = make_metrics()
+    observed: list[float] = []
+    metrics.signal_buffered.observe = observed.append  # any observe() call would land here
+    clock = FakeClock()
+    waits = recover_after(EarlySignalBuffer(metrics=metrics, clock=clock), clock, [0.25, 0.0001, 0.3, 0.3, 7.0])
+    text = generate_latest(registry).decode()
+    assert observed == []  # prometheus_client's child: one inc per bucket, not one observe() per value
+    reference_registry, reference = make_metrics()
+    for wait in waits:
+        reference.signal_buffered.observe(wait)
+    reference_text = generate_latest(reference_registry).decode()
+
+    def series(exposition: str, suffix: str) -> list[str]:
+        return [line for line in exposition.splitlines() if line.startswith(sc.SIGNAL_BUFFERED_SECONDS + suffix)]
+
+    assert series(text, "_bucket") == series(reference_text, "_bucket")
+    assert series(text, "_count") == series(reference_text, "_count") == [
+        f'{sc.SIGNAL_BUFFERED_SECONDS}_count{{engine="{ENGINE}"}} 5.0']
+    total = registry.get_sample_value(sc.SIGNAL_BUFFERED_SECONDS + "_sum", {"engine": ENGINE})
+    assert total == pytest.approx(sum(waits))
+
+
+def test_a_histogram_child_of_another_shape_gets_one_observe_per_wait():
+    registry, metrics = make_metrics()
+
+    class Histogram:
+        def __init__(self) -> None:
+            self.values: list[float] = []
+
+        def observe(self, value: float) -> None:
+            self.values.append(value)
+
+    metrics.signal_buffered = Histogram()
+    clock = FakeClock()
+    waits = recover_after(EarlySignalBuffer(metrics=metrics, clock=clock), clock, [0.5, 0.0, 2.0])
+    generate_latest(registry)
+    assert metrics.signal_buffered.values == waits
+
+
 def test_a_raising_metric_child_or_logger_changes_no_decision_and_is_counted():
     registry, metrics = make_metrics()
     metrics.signals = {o: Boom() for o in sc.SIGNAL_OUTCOMES}

@@ -1,7 +1,7 @@
 """What a signal buffer tells the outside world about its decisions: metrics, span events and logs.
 
-Why outcomes are tallied in plain ints: a decision costs well under a microsecond, and a prometheus
-`Counter.inc` or `Histogram.observe` about as much again. The buffer counts each outcome and notes each
+Why outcomes are tallied in plain ints: a prometheus `Counter.inc` or `Histogram.observe` costs about as much as
+the whole decision it would count. The buffer counts each outcome and notes each
 recovered signal's wait under the lock it already holds; `Tally.flush` adds them to the metric children in
 one batch. A flush runs whenever the pending-signals gauge is read (prometheus collects
 kvobs_pending_signals before kvobs_signals_total, so a scrape shows every decision taken before it), on every
