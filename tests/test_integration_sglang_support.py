@@ -247,6 +247,13 @@ def cpu_kv_manager(engine: upstream.Upstream) -> type:
             self.outcome: Callable[[int, bool], None] | None = None  # override: how a room's transfer ends
             self.threads: list[threading.Thread] = []
 
+        def expect(self, room: int, decode_pool: Any, pages: list[int]) -> None:
+            """What the decode node's metadata tells the prefill: where to write, whom to tell."""
+            self.destination[room] = (decode_pool, pages)
+            endpoint, port = DECODE_ENDPOINT
+            self.transfer_infos[room] = {"decode-0": types.SimpleNamespace(endpoint=endpoint, dst_port=port,
+                                                                           is_dummy=False)}
+
         def register_to_bootstrap(self) -> None:
             """No bootstrap server on CPU."""
 
@@ -266,7 +273,7 @@ def cpu_kv_manager(engine: upstream.Upstream) -> type:
             if self.outcome is not None:
                 self.outcome(room, is_last)
             else:
-                self.conclude_transfer(bootstrap_room=room, status=poll.Success, targets=[DECODE_ENDPOINT])
+                self.conclude_transfer(bootstrap_room=room, status=poll.Success)
 
         def _send_multipart_locked(self, endpoint: str, parts: list[bytes], is_ipv6: bool = False) -> None:
             self.deliver(list(parts))
