@@ -136,8 +136,9 @@ MULTIPROCESS_SCRIPT = textwrap.dedent("""
     from prometheus_client import CollectorRegistry
     from kvobs.signals import EarlySignalBuffer
     from kvobs.telemetry import metrics as tm
+    from kvobs.telemetry.refresher import Refresher
 
-    tm._Refresher.refresh_interval = 3600  # no periodic flush: what reaches the files is flushed at exit
+    Refresher.interval_s = 3600  # no periodic flush: what reaches the files is flushed at exit
     metrics = tm.EngineMetrics(tm.MetricFamilies.of(CollectorRegistry()), engine="mp", lock_name="cache")
     buf = EarlySignalBuffer(metrics=metrics)
     for slot in range(5):

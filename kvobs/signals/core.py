@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -39,7 +40,8 @@ from kvobs.signals.records import (
     ReadySignal,
     decision,
 )
-from kvobs.signals.reporting import FLUSH_AT, SignalReporter, bind_gauges
+from kvobs.signals.reporting import FLUSH_AT, SignalReporter
+from kvobs.telemetry.failures import STAGE_METRICS
 from kvobs.telemetry.metrics import EngineMetrics
 
 DEFAULT_MAX_SLOTS = 16384
@@ -86,12 +88,22 @@ class SignalBufferCore:
         self._tally = self._reporter.tally
         self._counts, self._waits = self._tally.counts, self._tally.waits
         if metrics is not None:
-            bind_gauges(self, self._reporter, metrics)
+            weakref.finalize(self, self._tally.flush)  # counts of a buffer the engine drops are kept
+            try:  # the gauges hold this buffer weakly: dropped, it is collected and they read 0
+                metrics.bind_pending_signals(self, SignalBufferCore._pending_at_scrape,
+                                             SignalBufferCore.oldest_pending_age)
+            except Exception as exc:  # noqa: BLE001 - telemetry must not break the engine
+                self._reporter.failed(STAGE_METRICS, exc)
 
     def _now_locked(self, out: list[Decision]) -> tuple[float, float]:
         raise NotImplementedError
 
     # -- reads ------------------------------------------------------------------------------------------------
+
+    def _pending_at_scrape(self) -> int:
+        """The pending count for the gauge; first the counts tallied since the last scrape go to the metrics."""
+        self._tally.flush()
+        return len(self._pending)
 
     @property
     def pending_count(self) -> int:

@@ -1,21 +1,22 @@
 """What a signal buffer tells the outside world about its decisions: metrics, span events and logs.
 
-Why outcomes are tallied in plain ints: a prometheus `Counter.inc` or `Histogram.observe` costs about as much as
-the whole decision it would count. The buffer counts each outcome and notes each
-recovered signal's wait under the lock it already holds; `Tally.flush` adds them to the metric children in
-one batch. A flush runs whenever the pending-signals gauge is read (prometheus collects
-kvobs_pending_signals before kvobs_signals_total, so a scrape shows every decision taken before it), on every
-gauge refresh in multiprocess mode, once FLUSH_AT waits are noted, and when the buffer is garbage-collected or
-the process exits. A forked child starts from empty tallies: what the parent counted, the parent flushes.
+Why outcomes are tallied in plain ints: a metric update costs about as much as the whole decision it would
+count. The buffer counts each outcome and notes each recovered signal's wait under the lock it already holds;
+`Tally.flush` adds them to the metric children in one batch. A flush runs whenever the pending-signals gauge
+is read (kvobs's collector reads its gauges before it snapshots the counters, so a scrape shows every
+decision taken before it), on every gauge refresh in multiprocess mode, once FLUSH_AT waits are noted, and
+when the buffer is garbage-collected or the process exits. A forked child starts from empty tallies: what the
+parent counted, the parent flushes.
 
-Drops (and recoveries, when someone records them) are span events on the caller's current span; drops are
-logged at warning at most once per outcome per LOG_INTERVAL_S, with the number of lines left out. A telemetry
+Drops are span events on the caller's current span (when it records) and warnings logged at most once per
+outcome per LOG_INTERVAL_S, with the number of lines left out; recoveries are logged at debug. A telemetry
 failure never reaches the engine and never changes a decision: it is counted in kvobs_telemetry_errors_total
-and logged once per stage per interval, with the exception.
+and logged once per kind per interval, by the metrics layer's TelemetryFailures.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -28,15 +29,16 @@ from opentelemetry import trace
 
 from kvobs import semconv as sc
 from kvobs.signals.records import Decision
+from kvobs.telemetry.failures import STAGE_LOGGING, STAGE_METRICS, STAGE_TRACING, TelemetryFailures
 from kvobs.telemetry.logs import level_number
-from kvobs.telemetry.metrics import EngineMetrics, bind_scrape_time
+from kvobs.telemetry.metrics import EngineMetrics
 from kvobs.telemetry.ratelimit import RateLimitedLog
 
 FLUSH_AT = 512  # recovered waits noted before a flush is forced: bounds the memory between two scrapes
 LOG_INTERVAL_S = 10.0
 ATTR_WAITED_S = "kvobs.signal.waited_s"
-EVENT_TELEMETRY_ERROR = "kvobs.telemetry.error"
 
+Failed = Callable[..., None]  # failed(stage, error=None): counts and logs a swallowed telemetry failure
 _DROPS = (sc.SIGNAL_DROPPED_INVALID, sc.SIGNAL_DROPPED_FINISHED, sc.SIGNAL_EXPIRED, sc.SIGNAL_OVERFLOW,
           sc.SIGNAL_REFUSED)
 
@@ -46,8 +48,7 @@ class Tally:
 
     __slots__ = ("counts", "waits", "_lock", "_counters", "_add_waits", "_failed", "__weakref__")
 
-    def __init__(self, lock: threading.Lock, metrics: EngineMetrics | None,
-                 failed: Callable[[str], None]) -> None:
+    def __init__(self, lock: threading.Lock, metrics: EngineMetrics | None, failed: Failed) -> None:
         self.counts: dict[str, int] = dict.fromkeys(sc.SIGNAL_OUTCOMES, 0)
         self.waits: list[float] = []
         self._lock = lock
@@ -68,13 +69,13 @@ class Tally:
                 if n:
                     try:
                         self._counters[outcome].inc(n)
-                    except Exception:  # noqa: BLE001 - telemetry never breaks the engine
-                        self._failed("metrics")
+                    except Exception as exc:  # noqa: BLE001 - telemetry never breaks the engine
+                        self._failed(STAGE_METRICS, exc)
             if waits:
                 try:
                     self._add_waits(waits)
-                except Exception:  # noqa: BLE001
-                    self._failed("metrics")
+                except Exception as exc:  # noqa: BLE001
+                    self._failed(STAGE_METRICS, exc)
         for outcome in counts:
             counts[outcome] = 0
         waits.clear()
@@ -89,15 +90,20 @@ class Tally:
 def _histogram_adder(child: Any) -> Callable[[list[float]], None]:
     """Add many observations to a histogram child at once.
 
-    For a prometheus_client child (non-cumulative `_buckets`, their `_upper_bounds`, and `_sum`, stable since
-    0.4): one inc per touched bucket and one for the sum, instead of two locked incs per value. Any other child
-    gets one `observe()` per value.
+    kvobs's own histogram cell has `observe_many`. A prometheus_client child (multiprocess mode) keeps
+    non-cumulative `_buckets` for its `_upper_bounds` and a `_sum` (stable since 0.4): one inc per touched
+    bucket and one for the sum, instead of two locked incs per value. Any other child gets one `observe()`
+    per value.
     """
+
     def observe_each(values: list[float]) -> None:
         for value in values:
             child.observe(value)
 
     try:
+        observe_many = getattr(child, "observe_many", None)
+        if callable(observe_many):
+            return observe_many
         bounds, buckets, total = (getattr(child, name, None) for name in ("_upper_bounds", "_buckets", "_sum"))
         fast = (isinstance(bounds, list) and isinstance(buckets, list) and len(bounds) == len(buckets)
                 and all(callable(getattr(v, "inc", None)) for v in (*buckets, total)))
@@ -133,20 +139,24 @@ def _forget_in_forked_children(tally: Tally) -> None:
 
 
 class SignalReporter:
-    """Span events, logs and telemetry-failure accounting for one buffer; its `tally` holds the counts."""
+    """Span events and logs of one buffer's decisions; its `tally` holds the counts, `failed(stage, exc)`
+    takes the telemetry failures."""
 
     def __init__(self, lock: threading.Lock, metrics: EngineMetrics | None, logger: Any | None,
                  log_level: str | int, clock: Callable[[], float]) -> None:
-        self._metrics = metrics
         level = level_number(log_level)
         # checked here, as the observer does, so an unconfigured structlog never prints a line per request
         self._levels = {sc.SIGNAL_RECOVERED: "debug"} if level <= logging.DEBUG else {}
         if level <= logging.WARNING:
             self._levels.update(dict.fromkeys(_DROPS, "warning"))
         self._logger = logger
+        # counted (and logged once per kind) by the metrics layer; without metrics, logged all the same
+        failed: Failed = (metrics.count_telemetry_error if metrics is not None
+                          else TelemetryFailures("", None, logger))
+        self.failed = failed
         self._log = None if logger is None else RateLimitedLog(
-            logger, LOG_INTERVAL_S, clock=clock, on_error=lambda: self._count("logging"))
-        self.tally = Tally(lock, metrics, self.failed)
+            logger, LOG_INTERVAL_S, clock=clock, on_error=functools.partial(failed, STAGE_LOGGING))
+        self.tally = Tally(lock, metrics, failed)
 
     def describes(self, outcome: str) -> bool:
         """Whether a decision with `outcome` is ever described (span events describe drops only)."""
@@ -158,9 +168,9 @@ class SignalReporter:
         try:
             span = trace.get_current_span()
             recording = span.is_recording()
-        except Exception:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001
             recording = False
-            self.failed("tracing")
+            self.failed(STAGE_TRACING, exc)
         levels = self._levels if self._logger is not None else {}
         for d in decisions:
             level = levels.get(d.outcome)
@@ -176,51 +186,12 @@ class SignalReporter:
             if as_event:
                 try:
                     span.add_event(name, attrs)
-                except Exception:  # noqa: BLE001
-                    self.failed("tracing")
+                except Exception as exc:  # noqa: BLE001
+                    self.failed(STAGE_TRACING, exc)
             if level == "debug":
                 try:
                     self._logger.debug(name, **attrs)
-                except Exception:  # noqa: BLE001
-                    self._count("logging")
+                except Exception as exc:  # noqa: BLE001
+                    self.failed(STAGE_LOGGING, exc)
             elif level is not None:
                 self._log.log(d.outcome, level, name, **attrs)  # type: ignore[union-attr]
-
-    def failed(self, stage: str) -> None:
-        """A swallowed telemetry failure, inside an `except` block: counted, and logged once per interval."""
-        self._count(stage)
-        if self._log is not None:
-            self._log.log((EVENT_TELEMETRY_ERROR, stage), "warning", EVENT_TELEMETRY_ERROR, stage=stage,
-                          exc_info=True)
-
-    def _count(self, stage: str) -> None:
-        if self._metrics is not None:
-            self._metrics.count_telemetry_error(stage)
-
-
-def bind_gauges(buffer: Any, reporter: SignalReporter, metrics: EngineMetrics) -> None:
-    """Pending count and oldest age of `buffer` at scrape time, flushing its tally first.
-
-    The gauges hold the buffer weakly: a buffer the engine drops is collected (its tally flushed on the way)
-    and the gauges read 0 until another buffer binds them.
-    """
-    tally, ref = reporter.tally, weakref.ref(buffer)
-    weakref.finalize(buffer, tally.flush)
-
-    def pending() -> float:
-        tally.flush()
-        live = ref()
-        return 0.0 if live is None else live.pending_count
-
-    def oldest_age() -> float:
-        live = ref()
-        return 0.0 if live is None else live.oldest_pending_age()
-
-    def scrape_failed() -> None:
-        reporter.failed("scrape")
-
-    try:
-        bind_scrape_time(metrics.pending, pending, scrape_failed)
-        bind_scrape_time(metrics.oldest_age, oldest_age, scrape_failed)
-    except Exception:  # noqa: BLE001 - telemetry must not break the engine
-        reporter.failed("metrics")
