@@ -24,7 +24,7 @@ from opentelemetry import trace
 
 from kvobs.arguments import Resolver, SpecError, compile_specs
 from kvobs.errors import TransferRejected
-from kvobs.transfer import UNSET, CorruptHandler, Route, Transfer
+from kvobs.transfer import _ACTIVE, UNSET, CorruptHandler, Route, Transfer
 
 SPEC_FIELDS = ("keys", "block_ids", "requests", "sync", "cache", "nbytes", "request_id", "group_sizes",
                "complete_later", "trace_context")
@@ -74,21 +74,26 @@ class Guard:
         return None
 
     def _sync_wrapper(self, func: Callable[..., Any], resolvers: dict[str, Resolver]) -> Callable[..., Any]:
-        new = functools.partial(self._new, resolvers)
+        new = functools.partial(self._new, resolvers) if resolvers else self._new_without_specs
         later = "complete_later" in resolvers
 
         def guarded(*args: Any, **kwargs: Any) -> Any:
+            """Written out flat: every guarded call of the engine runs it."""
             t = new(args, kwargs)
             try:
                 t.acquire(skippable=True)
                 if t.skipped:
                     return t.skip()
-                previous = t.enter_context()
+                previous = _ACTIVE.get()
+                _ACTIVE.set(t.active_with(previous))
                 try:
-                    result = _call_in_span(t.span, func, args, kwargs)
+                    if t.span is None:
+                        result = func(*args, **kwargs)
+                    else:
+                        result = _call_in_span(t.span, func, args, kwargs)
                 finally:
-                    t.leave_context(previous)
-                if inspect.isawaitable(result):
+                    _ACTIVE.set(previous)
+                if result is not None and inspect.isawaitable(result):
                     _refuse_awaitable(func, result)
                 if later:
                     t.submitted()
@@ -102,7 +107,7 @@ class Guard:
         return guarded
 
     def _async_wrapper(self, func: Callable[..., Any], resolvers: dict[str, Resolver]) -> Callable[..., Any]:
-        new = functools.partial(self._new, resolvers)
+        new = functools.partial(self._new, resolvers) if resolvers else self._new_without_specs
         later = "complete_later" in resolvers
 
         async def guarded(*args: Any, **kwargs: Any) -> Any:
@@ -111,11 +116,12 @@ class Guard:
                 await t.acquire_async(skippable=True)
                 if t.skipped:
                     return t.skip()
-                previous = t.enter_context()
+                previous = _ACTIVE.get()
+                _ACTIVE.set(t.active_with(previous))
                 try:
                     result = await _await_in_span(t.span, func, args, kwargs)
                 finally:
-                    t.leave_context(previous)
+                    _ACTIVE.set(previous)
                 if later:
                     t.submitted()
                     return result
@@ -126,6 +132,10 @@ class Guard:
                 raise
 
         return guarded
+
+    def _new_without_specs(self, args: tuple, kwargs: dict) -> Transfer:
+        """A guard that names nothing in the call: the transfer claims the whole cache, nothing to check."""
+        return Transfer(self.route)
 
     def _new(self, resolvers: dict[str, Resolver], args: tuple, kwargs: dict) -> Transfer:
         """The call's validated Transfer; a spec that does not resolve is a recorded TransferRejected."""

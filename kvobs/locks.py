@@ -17,6 +17,7 @@ import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable
+from itertools import compress
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from kvobs.atomic import Held, push_if, push_unless_raises, release_now
@@ -70,6 +71,7 @@ class CacheLock(Protocol):
 
 
 UNKNOWN_HOLDER = "unknown"
+_NO_WAIT = (False,)
 _DIRECT = Claim("direct")
 
 
@@ -146,14 +148,22 @@ class ThreadLock(_ExclusiveLock):
     def __init__(self, name: str = "thread", timeout: float | None = None) -> None:
         self.name = name
         self.timeout = timeout
+        self._fresh_mutex()
+        _THREAD_LOCKS.add(self)
+
+    def _fresh_mutex(self) -> None:
+        """A new mutex: at creation, and in a forked child, where the parent's holder thread does not exist."""
         self._lock = threading.Lock()
+        self._undo = (self._lock.release,)
         self._init_holding()
 
     def acquire_into(
         self, held: Held, claim: Claim, timeout: float | None, on_conflict: OnConflict | None = None
     ) -> bool:
         lock = self._lock
-        if not push_if(held, lock.release, lock.acquire, False):
+        before = len(held)
+        held.extendleft(compress(self._undo, map(lock.acquire, _NO_WAIT)))  # push_if, inlined: the hot path
+        if len(held) == before:
             if on_conflict is not None:
                 on_conflict(self._holder)
             if timeout == 0 or not push_if(held, lock.release, lock.acquire, True, _wait_arg(timeout)):
@@ -330,3 +340,15 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+# Every ThreadLock, so a forked child gets fresh mutexes (a parent thread may have held one at fork time).
+_THREAD_LOCKS: weakref.WeakSet[ThreadLock] = weakref.WeakSet()
+
+
+def _fresh_thread_locks_in_child() -> None:
+    for lock in list(_THREAD_LOCKS):
+        lock._fresh_mutex()
+
+
+os.register_at_fork(after_in_child=_fresh_thread_locks_in_child)

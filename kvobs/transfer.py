@@ -112,6 +112,7 @@ class Transfer:
         `validate`)."""
         self.route = route
         self.path = route.path
+        self.claim = route.whole_cache  # until validate() finds the transfer's own blocks
         self._ending = iter(_ONE_TOKEN)
         if values:
             for name, value in values.items():
@@ -273,15 +274,13 @@ class Transfer:
 
     # -- the code running under the transfer -----------------------------------------------------------------
 
-    def enter_context(self) -> tuple[Transfer, ...]:
-        """Mark this transfer active in the current context; returns what to restore on exit."""
-        previous = _ACTIVE.get()
-        _ACTIVE.set(tuple(t for t in previous if t.holds()) + (self,) if previous else (self,))
-        return previous
+    def active_with(self, active: tuple[Transfer, ...]) -> tuple[Transfer, ...]:
+        """The context's active transfers with this one added (ended ones pruned)."""
+        return tuple(t for t in active if t.holds()) + (self,) if active else (self,)
 
-    @staticmethod
-    def leave_context(previous: tuple[Transfer, ...]) -> None:
-        _ACTIVE.set(previous)
+    def enter_context(self) -> None:
+        """Mark this transfer active in the current context (for code that runs under it)."""
+        _ACTIVE.set(self.active_with(_ACTIVE.get()))
 
     def forget_context(self) -> None:
         """Remove this transfer from the current context's active ones, whichever context that is."""

@@ -159,7 +159,8 @@ class Recorder:
             except Exception as exc:  # noqa: BLE001
                 self.failed("metrics", exc)
         self._log(logging.WARNING, "kvobs.transfer.rejected", t, None, reason=_describe(t.error))
-        self._hooks(t, [(t.request_id, 0, 0)])
+        if self.hooks:
+            self._hooks(t, [(t.request_id, 0, 0)])
 
     def timed_out(self, t: Ended) -> None:
         waited = t.t_acquired - t.t_begin
@@ -168,13 +169,14 @@ class Recorder:
                 if self.holder:
                     self.metrics.timed_out(waited)
                 else:
-                    self.metrics.timed_out(waited, self._exemplar(t.span))
+                    self.metrics.timed_out(waited, None if t.span is None else self._exemplar(t.span))
             except Exception as exc:  # noqa: BLE001
                 self.failed("metrics", exc)
         span = t.span
         self._end_span(t)
         self._log(logging.WARNING, "kvobs.lock.timeout", t, span, lock=self.lock_name, waited_s=waited)
-        self._hooks(t, [(t.request_id, 0, 0)])
+        if self.hooks:
+            self._hooks(t, [(t.request_id, 0, 0)])
 
     def conflicted(self, holder_path: str) -> None:
         if self.metrics is not None:
@@ -202,46 +204,55 @@ class Recorder:
                   bad_blocks=len(result.bad_block_ids), bad_block_ids=bad, policy=policy)
 
     def ended(self, t: Ended) -> None:
-        """The transfer is over (ok, error or abandoned): one record of everything."""
+        """The transfer is over (ok, error or abandoned): one record of everything. Written flat: every
+        guarded call ends here."""
         try:
-            self._ended(t)
+            begin, acquired, end = t.t_begin, t.t_acquired, t.t_end
+            duration, wait, hold = (end - begin, acquired - begin, max(0.0, end - acquired)) if acquired else _ZEROS
+            span = t.span
+            if t.requests:
+                moved = self._moved(t)
+                blocks, nbytes = sum(m[1] for m in moved), sum(m[2] for m in moved)
+            else:
+                blocks, nbytes = self._single(t)
+                moved = None
+            metrics = self.metrics
+            if metrics is not None:
+                try:
+                    if self.holder:
+                        metrics.held(wait, hold, None)
+                    elif moved is None:
+                        metrics.finished(t.outcome, duration, wait, hold, blocks, nbytes,
+                                         None if span is None else self._exemplar(span))
+                    else:
+                        exemplar = None if span is None else self._exemplar(span)
+                        for _, count, size in moved:  # a batch counts one transfer per request
+                            metrics.finished(t.outcome, duration, wait, hold, count, size, exemplar)
+                except Exception as exc:  # noqa: BLE001
+                    self.failed("metrics", exc)
+            if span is not None:
+                self._finish_span(t, span, wait, hold, nbytes)
+            level = _LEVEL.get(t.outcome, logging.ERROR)
+            if level >= self.log_level:
+                self._log(level, "kvobs.transfer", t, span, outcome=t.outcome, blocks=blocks, duration_s=duration,
+                          lock_wait_s=wait, lock_hold_s=hold, error=_describe(t.error))
+            if self.hooks:
+                self._hooks(t, moved or [(t.request_id, blocks, nbytes)])
         except Exception as exc:  # noqa: BLE001 - whatever this layer gets wrong, the engine's call is unaffected
             self.failed("metrics", exc)
 
-    def _ended(self, t: Ended) -> None:
-        duration, wait, hold = _timings(t)
-        moved = self._moved(t)
-        blocks, nbytes = sum(m[1] for m in moved), sum(m[2] for m in moved)
-        if self.metrics is not None:
-            try:
-                if self.holder:
-                    self.metrics.held(wait, hold, None)
-                else:
-                    exemplar = self._exemplar(t.span)
-                    for _, count, size in moved:  # a batch counts one transfer per request
-                        self.metrics.finished(t.outcome, duration, wait, hold, count, size, exemplar)
-            except Exception as exc:  # noqa: BLE001
-                self.failed("metrics", exc)
-        span = t.span
-        if span is not None:
-            try:
-                if span.is_recording():
-                    span.set_attributes({sc.ATTR_LOCK_WAIT_S: wait, sc.ATTR_LOCK_HOLD_S: hold,
-                                         sc.ATTR_OUTCOME: t.outcome, sc.ATTR_BYTES: nbytes})
-            except Exception as exc:  # noqa: BLE001
-                self.failed("tracing", exc)
-            self._end_span(t)
-        level = _LEVEL.get(t.outcome, logging.ERROR)
-        if level >= self.log_level:
-            self._log(level, "kvobs.transfer", t, span, outcome=t.outcome, blocks=blocks, duration_s=duration,
-                      lock_wait_s=wait, lock_hold_s=hold, error=_describe(t.error))
-        self._hooks(t, moved)
+    def _finish_span(self, t: Ended, span: Any, wait: float, hold: float, nbytes: int) -> None:
+        try:
+            if span.is_recording():
+                span.set_attributes({sc.ATTR_LOCK_WAIT_S: wait, sc.ATTR_LOCK_HOLD_S: hold,
+                                     sc.ATTR_OUTCOME: t.outcome, sc.ATTR_BYTES: nbytes})
+        except Exception as exc:  # noqa: BLE001
+            self.failed("tracing", exc)
+        self._end_span(t)
 
     # -- helpers ----------------------------------------------------------------------------------------
 
     def _exemplar(self, span: Any) -> dict[str, str] | None:
-        if span is None:
-            return None
         try:
             return trace_fields(span) if span.is_recording() else None
         except Exception as exc:  # noqa: BLE001
@@ -287,13 +298,15 @@ class Recorder:
         except Exception as exc:  # noqa: BLE001
             self.failed("logging", exc)
 
-    def _moved(self, t: Ended) -> list[tuple[Any, int, int]]:
-        """(request id, blocks, bytes) moved, one entry per request of a batch, else one for the transfer.
-        Bytes: the call's own `nbytes` (shared out by blocks in a batch), else blocks x the block size."""
+    def _single(self, t: Ended) -> tuple[int, int]:
+        """(blocks, bytes) a transfer moved: its own `nbytes`, else blocks x the block size."""
         moved = t.moved_blocks()
-        if not t.requests:
-            count = moved.count if moved is not None else 0
-            return [(t.request_id, count, t.nbytes if t.nbytes is not None else count * self.block_bytes)]
+        count = moved.count if moved is not None else 0
+        return count, t.nbytes if t.nbytes is not None else count * self.block_bytes
+
+    def _moved(self, t: Ended) -> list[tuple[Any, int, int]]:
+        """(request id, blocks, bytes) per request of a batch; the batch's own `nbytes` shared out by blocks."""
+        moved = t.moved_blocks()
         kept = set(moved.distinct) if moved is not t.blocks and moved is not None else None
         counts = [(rid, b.count if kept is None else len(kept.intersection(b.distinct)))
                   for rid, b in t.requests.items()]
@@ -303,8 +316,6 @@ class Recorder:
 
     def _hooks(self, t: Ended, moved: list[tuple[Any, int, int]]) -> None:
         """One TransferRecord per request (per transfer when it is not a batch)."""
-        if not self.hooks:
-            return
         duration, wait, hold = _timings(t)
         for request_id, count, size in moved:
             record = TransferRecord(self.engine, self.path, t.outcome, duration, wait, hold, count, size,
@@ -316,11 +327,14 @@ class Recorder:
                     self.failed("hook", exc)
 
 
+_ZEROS = (0.0, 0.0, 0.0)
+
+
 def _timings(t: Ended) -> tuple[float, float, float]:
     """(duration, lock wait, lock hold) in seconds; zeros for a transfer refused before it waited."""
     begin, acquired = t.t_begin, t.t_acquired
     if not acquired:
-        return 0.0, 0.0, 0.0
+        return _ZEROS
     end = t.t_end
     return end - begin, acquired - begin, max(0.0, end - acquired)
 
