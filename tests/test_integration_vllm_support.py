@@ -112,17 +112,63 @@ def backend(connector: Any) -> Any:
     return connector.connector_worker.worker
 
 
-# vLLM imports the spec by module path and name; served here per loaded vLLM.
-_spec_classes: dict[int, type] = {}
+# vLLM imports specs and connectors by module path and name; served here per loaded vLLM.
+_served: dict[tuple[int, str], type] = {}
 
 
 def __getattr__(name: str) -> Any:
-    if name != "ThreadOffloadingSpec":
+    makers = {"ThreadOffloadingSpec": _make_spec, "PlainConnector": _make_plain_connector}
+    if name not in makers:
         raise AttributeError(name)
     engine = upstream.require("vllm")
-    if id(engine) not in _spec_classes:
-        _spec_classes[id(engine)] = _make_spec(engine)
-    return _spec_classes[id(engine)]
+    if (id(engine), name) not in _served:
+        _served[(id(engine), name)] = makers[name](engine)
+    return _served[(id(engine), name)]
+
+
+def _make_plain_connector(vllm: upstream.Upstream) -> type:
+    """A connector without HMA support, with its own classmethod answers and its own errors."""
+    base = vllm.module(BASE)
+
+    class PlainConnector(base.KVConnectorBase_V1):
+        def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+            if kwargs:
+                raise TypeError(f"unexpected load options {sorted(kwargs)}")
+
+        def wait_for_layer_load(self, layer_name: str) -> None:
+            return None
+
+        def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+            return None
+
+        def wait_for_save(self) -> None:
+            return None
+
+        def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+            return max(0, 32 - num_computed_tokens), False
+
+        def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+            return None
+
+        def build_connector_meta(self, scheduler_output: Any) -> Any:
+            return base.KVConnectorMetadata()
+
+        def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, Any]:
+            raise LookupError(f"PlainConnector does not know request {request.request_id!r}")
+
+        @classmethod
+        def get_required_kvcache_layout(cls, vllm_config: Any) -> str:
+            return f"PLAIN-{vllm_config.kv_transfer_config.kv_connector}"
+
+        @classmethod
+        def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+            return bool(extra_config.get("layerwise"))
+
+        @classmethod
+        def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+            return kv_transfer_config.kv_role == "kv_consumer"
+
+    return PlainConnector
 
 
 def _make_spec(vllm: upstream.Upstream) -> type:
