@@ -99,7 +99,8 @@ class Transfer:
     t_begin = t_acquired = t_end = 0.0
     due = float("inf")
     blocks: Blocks | None = None
-    requests: dict[Any, Blocks] | None = None  # a batch: each request's blocks (`blocks` is their union)
+    requests: dict[Any, int] | None = None  # a batch: each request's block count (`blocks` is their union)
+    request_blocks: Any = None  # a batch: the request id -> block ids mapping as given
     claim: Claim | None = None
     skipped_result: Any = UNSET
     _held: Any = ()
@@ -140,6 +141,7 @@ class Transfer:
                 self.blocks = resolve_blocks(self.path, block_ids, capacity=route.capacity,
                                              page_size=route.page_size, group_sizes=group_sizes)
             elif requests is not UNSET:
+                self.request_blocks = requests
                 self.requests, self.blocks = resolve_requests(self.path, requests, capacity=route.capacity,
                                                               page_size=route.page_size)
             validate_keys(self.path, self.keys, self.blocks, paired=route.page_size is None and group_sizes is None)

@@ -18,6 +18,9 @@ from typing import Any, NamedTuple
 from kvobs.errors import TransferRejected
 
 
+_INT_ONLY = {int}
+
+
 class Blocks(NamedTuple):
     """The blocks of one transfer.
 
@@ -45,7 +48,7 @@ def block_id_list(path: str, block_ids: Any, what: str = "block ids") -> list[in
         block_ids = block_ids.tolist()
     elif isinstance(block_ids, (str, bytes, Set, Mapping)) or not isinstance(block_ids, Sequence):
         raise TransferRejected(path, f"{what} must be a sequence of ints, got {type(block_ids).__name__}")
-    if all(type(b) is int for b in block_ids):
+    if set(map(type, block_ids)) <= _INT_ONLY:  # checked in C
         return block_ids if isinstance(block_ids, list) else list(block_ids)
     ids = []
     for b in block_ids:
@@ -121,21 +124,41 @@ def resolve_blocks(
 
 def resolve_requests(
     path: str, requests: Any, *, capacity: int | None, page_size: int | None = None
-) -> tuple[dict[Any, Blocks], Blocks]:
-    """A batch: request id -> its block ids. Each request is validated on its own (no id twice within one
-    request); requests may share blocks (a common prefix). Returns the per-request blocks and their union."""
+) -> tuple[dict[Any, int], Blocks]:
+    """A batch: request id -> its block ids. No id twice within one request; requests may share blocks (a
+    common prefix). Returns each request's block count and the union of the batch's blocks.
+
+    Written for batches of many small requests: lists of plain ints are checked in C and all at once."""
     if not isinstance(requests, Mapping) or not requests:
         raise TransferRejected(path, f"requests must be a non-empty mapping of request id to block ids, got "
                                      f"{type(requests).__name__}")
-    per_request = {}
+    counts: dict[Any, int] = {}
+    all_ids: list[int] = []
+    plain = page_size is None
     for request_id, ids in requests.items():
-        try:
-            per_request[request_id] = resolve_blocks(path, ids, capacity=capacity, page_size=page_size)
+        if plain and type(ids) is list and len(set(ids)) == len(ids):
+            all_ids += ids
+            counts[request_id] = len(ids)
+            continue
+        try:  # anything else, and every problem, gets the detailed check
+            blocks = resolve_blocks(path, ids, capacity=capacity, page_size=page_size)
         except TransferRejected as exc:
             raise TransferRejected(path, f"request {request_id!r}: {exc.reason}") from None
-    all_ids = [i for blocks in per_request.values() for i in blocks.ids]
-    distinct = tuple(sorted({b for blocks in per_request.values() for b in blocks.distinct}))
-    return per_request, Blocks(all_ids, distinct, sum(b.count for b in per_request.values()))
+        all_ids += blocks.ids
+        counts[request_id] = blocks.count
+    if plain:
+        try:
+            union = resolve_blocks(path, sorted(set(all_ids)), capacity=capacity).distinct
+        except (TransferRejected, TypeError):  # some request holds a bad id: name it
+            for request_id, ids in requests.items():
+                try:
+                    resolve_blocks(path, ids, capacity=capacity)
+                except TransferRejected as exc:
+                    raise TransferRejected(path, f"request {request_id!r}: {exc.reason}") from None
+            raise
+    else:
+        union = tuple(sorted({slot // page_size for slot in all_ids}))
+    return counts, Blocks(all_ids, union, sum(counts.values()))
 
 
 def _token_slots(path: str, slots: list[int], page_size: int, capacity: int | None) -> Blocks:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import operator
 import os
 import threading
 import time
@@ -319,6 +320,12 @@ class PathMetrics:
             if nbytes:
                 self.bytes.inc(nbytes)
 
+    def finished_many(self, outcome: str, duration_s: float, wait_s: float, hold_s: float,
+                      moved: list[tuple[Any, int, int]], exemplar: dict[str, str] | None = None) -> None:
+        """A batch: one finished transfer per (request id, blocks, bytes) of `moved`, sharing the timings."""
+        for _, blocks, nbytes in moved:
+            self.finished(outcome, duration_s, wait_s, hold_s, blocks, nbytes, exemplar)
+
     def timed_out(self, waited_s: float, exemplar: dict[str, str] | None = None) -> None:
         """The lock was not acquired within `waited_s`: a lock timeout and a transfer with outcome `timeout`."""
         self.lock_timeouts.inc()
@@ -369,6 +376,19 @@ class BufferedPathMetrics(PathMetrics):
         except AttributeError:
             values = self._buffers.new_buffer()
         values.extend((outcome, duration_s, wait_s, hold_s, blocks, nbytes, exemplar and (exemplar, _now())))
+        if len(values) >= self._full:
+            self._buffers.drain(values)
+
+    def finished_many(self, outcome: str, duration_s: float, wait_s: float, hold_s: float,
+                      moved: list[tuple[Any, int, int]], exemplar: dict[str, str] | None = None) -> None:
+        try:
+            values = self._local.values
+        except AttributeError:
+            values = self._buffers.new_buffer()
+        records = [outcome, duration_s, wait_s, hold_s, 0, 0, exemplar and (exemplar, _now())] * len(moved)
+        records[4::_TRANSFER_WIDTH] = map(_SECOND, moved)  # blocks, then bytes, filled in C
+        records[5::_TRANSFER_WIDTH] = map(_THIRD, moved)
+        values += records
         if len(values) >= self._full:
             self._buffers.drain(values)
 
@@ -478,6 +498,7 @@ class BufferedHolderMetrics(HolderMetrics):
         return [self.lock_wait.prepare(values[0::3]), self.lock_hold.prepare(values[1::3])], [], marks
 
 
+_SECOND, _THIRD = operator.itemgetter(1), operator.itemgetter(2)
 _TRANSFER_WIDTH = 7  # outcome, duration, wait, hold, blocks, bytes, (exemplar, time) or None
 _HOLDER_WIDTH = 3  # wait, hold, (exemplar, time) or None
 _now = time.time

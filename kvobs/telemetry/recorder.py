@@ -9,6 +9,7 @@ formatting only at a level that is emitted.
 from __future__ import annotations
 
 import logging
+import operator
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -65,7 +66,8 @@ class Ended(Protocol):
     t_acquired: float
     t_end: float
     blocks: Any  # kvobs.validation.Blocks | None
-    requests: dict[Any, Any] | None  # a batch: request id -> its Blocks
+    requests: dict[Any, int] | None  # a batch: request id -> its block count
+    request_blocks: Any  # a batch: request id -> its block ids, as given
 
     def moved_blocks(self) -> Any: ...
 
@@ -212,7 +214,7 @@ class Recorder:
             span = t.span
             if t.requests:
                 moved = self._moved(t)
-                blocks, nbytes = sum(m[1] for m in moved), sum(m[2] for m in moved)
+                blocks, nbytes = t.blocks.count, sum(map(_THIRD, moved))
             else:
                 blocks, nbytes = self._single(t)
                 moved = None
@@ -225,9 +227,8 @@ class Recorder:
                         metrics.finished(t.outcome, duration, wait, hold, blocks, nbytes,
                                          None if span is None else self._exemplar(span))
                     else:
-                        exemplar = None if span is None else self._exemplar(span)
-                        for _, count, size in moved:  # a batch counts one transfer per request
-                            metrics.finished(t.outcome, duration, wait, hold, count, size, exemplar)
+                        metrics.finished_many(t.outcome, duration, wait, hold, moved,  # one per request
+                                              None if span is None else self._exemplar(span))
                 except Exception as exc:  # noqa: BLE001
                     self.failed("metrics", exc)
             if span is not None:
@@ -305,14 +306,19 @@ class Recorder:
         return count, t.nbytes if t.nbytes is not None else count * self.block_bytes
 
     def _moved(self, t: Ended) -> list[tuple[Any, int, int]]:
-        """(request id, blocks, bytes) per request of a batch; the batch's own `nbytes` shared out by blocks."""
+        """(request id, blocks, bytes) per request of a batch; the batch's own `nbytes` shared out by blocks.
+        When completion named the blocks that moved, each request counts those of its own."""
         moved = t.moved_blocks()
-        kept = set(moved.distinct) if moved is not t.blocks and moved is not None else None
-        counts = [(rid, b.count if kept is None else len(kept.intersection(b.distinct)))
-                  for rid, b in t.requests.items()]
+        if moved is t.blocks or moved is None:
+            counts = t.requests.items()
+        else:
+            kept = set(moved.distinct)
+            counts = [(rid, len(kept.intersection(ids))) for rid, ids in t.request_blocks.items()]
+        if t.nbytes is None:
+            size = self.block_bytes
+            return [(rid, c, c * size) for rid, c in counts]
         total = sum(c for _, c in counts) or 1
-        return [(rid, c, t.nbytes * c // total if t.nbytes is not None else c * self.block_bytes)
-                for rid, c in counts]
+        return [(rid, c, t.nbytes * c // total) for rid, c in counts]
 
     def _hooks(self, t: Ended, moved: list[tuple[Any, int, int]]) -> None:
         """One TransferRecord per request (per transfer when it is not a batch)."""
@@ -328,6 +334,7 @@ class Recorder:
 
 
 _ZEROS = (0.0, 0.0, 0.0)
+_THIRD = operator.itemgetter(2)
 
 
 def _timings(t: Ended) -> tuple[float, float, float]:
