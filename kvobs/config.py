@@ -41,6 +41,29 @@ def seconds(what: str, value: float | None, env: str, default: float) -> float:
     return float(value)
 
 
+def cache_lock(lock: Any) -> Any:
+    """"thread" -> a ThreadLock, None -> a NullLock (observe only), else a kvobs lock (checked)."""
+    from kvobs.locks import NullLock, ThreadLock
+
+    chosen = ThreadLock() if lock == "thread" else NullLock() if lock is None else lock
+    if not all(hasattr(chosen, a) for a in ("acquire_into", "overlaps", "held_for", "name")):
+        raise TypeError(f"lock must be a kvobs lock (ThreadLock, ProcessLock, BlockLock, NullLock), got {lock!r}")
+    return chosen
+
+
+def block_dim(value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"block_dim must be an int, got {value!r}")
+    return value
+
+
+def hooks(values: Any) -> tuple[Any, ...]:
+    chosen = tuple(values)
+    if not all(callable(h) for h in chosen):
+        raise TypeError("every hook must be callable")
+    return chosen
+
+
 def optional_positive_int(what: str, value: Any) -> int | None:
     if value is None:
         return None

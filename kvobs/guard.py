@@ -24,7 +24,8 @@ from opentelemetry import trace
 
 from kvobs.arguments import Resolver, SpecError, compile_specs
 from kvobs.errors import TransferRejected
-from kvobs.transfer import _ACTIVE, UNSET, CorruptHandler, Route, Transfer
+from kvobs.route import Route
+from kvobs.transfer import _ACTIVE, UNSET, CorruptHandler, Transfer
 
 SPEC_FIELDS = ("keys", "block_ids", "requests", "sync", "cache", "nbytes", "request_id", "group_sizes",
                "complete_later", "trace_context")
@@ -95,10 +96,7 @@ class Guard:
                     _ACTIVE.set(previous)
                 if result is not None and inspect.isawaitable(result):
                     _refuse_awaitable(func, result)
-                if later:
-                    t.submitted()
-                    return result
-                return t.complete(result)
+                return t.returned(result, later)
             except BaseException as exc:
                 t._release()
                 t.fail(exc)
@@ -116,16 +114,7 @@ class Guard:
                 await t.acquire_async(skippable=True)
                 if t.skipped:
                     return t.skip()
-                previous = _ACTIVE.get()
-                _ACTIVE.set(t.active_with(previous))
-                try:
-                    result = await _await_in_span(t.span, func, args, kwargs)
-                finally:
-                    _ACTIVE.set(previous)
-                if later:
-                    t.submitted()
-                    return result
-                return t.complete(result)
+                return t.returned(await _await_under(t, func, args, kwargs), later)
             except BaseException as exc:
                 t._release()
                 t.fail(exc)
@@ -176,14 +165,17 @@ def _call_in_span(span: Any, func: Callable[..., Any], args: tuple, kwargs: dict
         otel_context.detach(token)
 
 
-async def _await_in_span(span: Any, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    if span is None:
-        return await func(*args, **kwargs)
-    token = otel_context.attach(trace.set_span_in_context(span))
+async def _await_under(t: Transfer, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """Await `func` as the code under `t`: active in this context (re-entry refused), its span current."""
+    previous = _ACTIVE.get()
+    _ACTIVE.set(t.active_with(previous))
+    token = None if t.span is None else otel_context.attach(trace.set_span_in_context(t.span))
     try:
         return await func(*args, **kwargs)
     finally:
-        otel_context.detach(token)
+        if token is not None:
+            otel_context.detach(token)
+        _ACTIVE.set(previous)
 
 
 def _refuse_awaitable(func: Callable[..., Any], result: Any) -> None:

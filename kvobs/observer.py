@@ -19,7 +19,7 @@ from kvobs import config
 from kvobs import semconv as sc
 from kvobs.cache_checks import CacheCheck
 from kvobs.guard import Guard
-from kvobs.locks import CacheLock, NullLock, ThreadLock
+from kvobs.locks import CacheLock
 from kvobs.open_transfers import OpenTransfers
 from kvobs.signals import EarlySignalBuffer
 from kvobs.telemetry import metrics as tm
@@ -27,7 +27,8 @@ from kvobs.telemetry.failures import TelemetryFailures
 from kvobs.telemetry.logs import default_logger, level_number
 from kvobs.telemetry.recorder import Hook, Recorder
 from kvobs.telemetry.tracing import TracerSource
-from kvobs.transfer import CorruptHandler, Route, Transfer
+from kvobs.route import Route
+from kvobs.transfer import CorruptHandler, Transfer
 
 
 class KVObserver:
@@ -89,43 +90,23 @@ class KVObserver:
         self.engine = config.label_value("engine", engine)
         self.paths = tuple(sc.PATHS) + tuple(config.label_value("path", p) for p in extra_paths)
         self.holders = tuple(config.label_value("holder", h) for h in holders)
-        self.lock: CacheLock = ThreadLock() if lock == "thread" else NullLock() if lock is None else lock
-        if not all(hasattr(self.lock, a) for a in ("acquire_into", "overlaps", "held_for", "name")):
-            raise TypeError(f"lock must be a kvobs lock (ThreadLock, ProcessLock, BlockLock, NullLock), got {lock!r}")
+        self.lock = config.cache_lock(lock)
         self.lock_timeout = config.seconds("lock_timeout", lock_timeout, sc.ENV_LOCK_TIMEOUT,
                                            config.DEFAULT_LOCK_TIMEOUT_S)
         self.deadline = config.seconds("deadline", deadline, sc.ENV_TRANSFER_DEADLINE, config.DEFAULT_DEADLINE_S)
         self.capacity = config.optional_positive_int("capacity", capacity)
         self.block_bytes = config.optional_positive_int("block_bytes", block_bytes)
         self.page_size = config.optional_positive_int("page_size", page_size)
-        if not isinstance(block_dim, int) or isinstance(block_dim, bool):
-            raise TypeError(f"block_dim must be an int, got {block_dim!r}")
-        self.block_dim = block_dim
+        self.block_dim = config.block_dim(block_dim)
         self.sync_required = frozenset(self._known_path(p, "sync_required") for p in sync_required)
         self.reading_paths = frozenset(self._known_path(p, "reading_paths") for p in reading_paths)
         self._integrity = self._integrity_by_path(integrity)
-        self.hooks = tuple(hooks)
-        if not all(callable(h) for h in self.hooks):
-            raise TypeError("every hook must be callable")
+        self.hooks = config.hooks(hooks)
         self.log_level = level_number(log_level)
         self.logger = logger if logger is not None else default_logger()
         self.telemetry = config.enabled(enabled)
         self.tracer_source = TracerSource(tracer_provider)
-        self.open = OpenTransfers(self.paths, self.deadline)
-        self._caches = CacheCheck(block_dim)
-        self.metrics: tm.EngineMetrics | None = None
-        # telemetry off: failures (a raising hook) are still logged once per kind, with nothing to count
-        self._failures: Callable[[str, BaseException], None] = TelemetryFailures(self.engine, None, self.logger)
-        if self.telemetry:
-            self.metrics = tm.EngineMetrics(tm.MetricFamilies.of(registry, buckets), self.engine, self.lock.name,
-                                            logger=self.logger)
-            self._failures = self.metrics.count_telemetry_error
-            self.metrics.bind_lock_held(self.lock, _held_for)
-            if hasattr(self.lock, "blocks_claimed"):  # a lock that claims blocks, not the whole cache
-                for mode in sc.CLAIM_MODES:
-                    self.metrics.bind_blocks_claimed(mode, self.lock, functools.partial(_claimed, mode=mode))
-        self._routes = {p: self._route(p) for p in self.paths}
-        self._holder_routes = {h: self._holder_route(h) for h in self.holders}
+        self._wire(registry, buckets)
 
     # -- decorators: specs name where each value is found in the call --------------------------------------
 
@@ -176,14 +157,7 @@ class KVObserver:
     def begin(self, path: str, *, check: Any = None, **values: Any) -> Transfer:
         """Begin a transfer now and hold the lock until `t.complete(...)` / `t.fail(exc)` is called, from any
         thread, or the deadline passes. With `key=`, `obs.complete(path, key)` finds it too."""
-        t = self._validated(self._route_for(path, check), values)
-        try:
-            t.acquire()
-        except BaseException as exc:
-            t._release()
-            t.fail(exc)
-            raise
-        return t
+        return self._validated(self._route_for(path, check), values).start()
 
     def hold(self, holder: str = sc.HOLDER_FORWARD, *, block_ids: Any = None) -> Transfer:
         """The cache lock for a holder that is not a transfer, as a `with` block (values, not specs)."""
@@ -210,6 +184,27 @@ class KVObserver:
         return EarlySignalBuffer(metrics=self.metrics, logger=self.logger, **options)
 
     # -- wiring ----------------------------------------------------------------------------------------------
+
+    def _wire(self, registry: CollectorRegistry | None, buckets: Iterable[float] | None) -> None:
+        """Metrics, open transfers and a route per path and lock holder, from the checked options."""
+        self.open = OpenTransfers(self.paths, self.deadline)
+        self._caches = CacheCheck(self.block_dim)
+        self.metrics = self._engine_metrics(registry, buckets) if self.telemetry else None
+        # telemetry off: failures (a raising hook) are still logged once per kind, with nothing to count
+        self._failures: Callable[[str, BaseException], None] = (
+            TelemetryFailures(self.engine, None, self.logger) if self.metrics is None
+            else self.metrics.count_telemetry_error)
+        self._routes = {p: self._route(p) for p in self.paths}
+        self._holder_routes = {h: self._holder_route(h) for h in self.holders}
+
+    def _engine_metrics(self, registry: CollectorRegistry | None, buckets: Iterable[float] | None) -> Any:
+        metrics = tm.EngineMetrics(tm.MetricFamilies.of(registry, buckets), self.engine, self.lock.name,
+                                   logger=self.logger)
+        metrics.bind_lock_held(self.lock, _held_for)
+        if hasattr(self.lock, "blocks_claimed"):  # a lock that claims blocks, not the whole cache
+            for mode in sc.CLAIM_MODES:
+                metrics.bind_blocks_claimed(mode, self.lock, functools.partial(_claimed, mode=mode))
+        return metrics
 
     def _validated(self, route: Route, values: dict[str, Any]) -> Transfer:
         unknown = set(values) - {"block_ids", "requests", "keys", "cache", "nbytes", "request_id", "key",

@@ -20,7 +20,6 @@ import copy
 from collections import deque
 from collections.abc import Callable
 from contextvars import ContextVar
-from dataclasses import dataclass
 from itertools import islice
 from time import perf_counter
 from typing import Any
@@ -28,12 +27,9 @@ from typing import Any
 from kvobs import async_wait
 from kvobs import semconv as sc
 from kvobs.atomic import one_shot_release
-from kvobs.cache_checks import CacheCheck
 from kvobs.errors import CorruptKVError, LockTimeout, ReentrantLockError, TransferRejected
-from kvobs.locks import CacheLock, Claim
-from kvobs.open_transfers import OpenTransfers
-from kvobs.policy import IntegrityPolicy, Sampler
-from kvobs.telemetry.recorder import Recorder
+from kvobs.locks import Claim
+from kvobs.route import Route
 from kvobs.validation import Blocks, resolve_blocks, resolve_requests, validate_keys, validate_sync
 
 NEW, WAITING, HELD, SUBMITTED = "new", "waiting", "held", "submitted"
@@ -48,31 +44,6 @@ _ONE_TOKEN = (True,)
 _ACTIVE: ContextVar[tuple[Transfer, ...]] = ContextVar("kvobs_active_transfers", default=())
 
 CorruptHandler = Callable[["Transfer", tuple[int, ...]], Any]
-
-
-@dataclass(eq=False)
-class Route:
-    """Everything a transfer on one path of one observer needs; built once per path by the observer."""
-
-    engine: str
-    path: str
-    lock: CacheLock
-    lock_timeout: float
-    deadline_s: float
-    reads_blocks: bool  # write-back, send: shared claims, sources checked at begin
-    policy: IntegrityPolicy | None
-    sampler: Sampler | None
-    capacity: int | None
-    block_bytes: int | None
-    page_size: int | None
-    sync_required: bool
-    recorder: Recorder
-    open: OpenTransfers | None  # None for lock holders that are not transfers (the forward pass)
-    caches: CacheCheck
-
-    def __post_init__(self) -> None:
-        self.whole_cache = Claim(self.path, (), not self.reads_blocks)
-        self.conflicted = self.recorder.conflicted
 
 
 class Transfer:
@@ -290,23 +261,37 @@ class Transfer:
         if self in active:
             _ACTIVE.set(tuple(t for t in active if t is not self))
 
+    def returned(self, result: Any, completes_later: bool) -> Any:
+        """The issuing call returned `result`: complete now, or leave the transfer open until `complete()`
+        arrives from elsewhere or the deadline passes."""
+        if not completes_later:
+            return self.complete(result)
+        self.submitted()
+        return result
+
     def submitted(self) -> None:
-        """The issuing call returned and the copy goes on elsewhere, until `complete()` or the deadline."""
+        """The issuing code is done and the copy goes on elsewhere, until `complete()` or the deadline."""
         if self.state == HELD:
             self.state = SUBMITTED
 
     # -- `with obs.transfer(...)` / `async with` ------------------------------------------------------------
 
-    def __enter__(self) -> Transfer:
+    def start(self, *, in_context: bool = False) -> Transfer:
+        """Acquire now (`obs.begin`, `with`); if that fails in any way, nothing stays held and the failure is
+        recorded. `in_context`: the code that follows runs under the transfer (a with-block)."""
         self._refuse_reuse()
         try:
             self.acquire()
-            self.enter_context()
+            if in_context:
+                self.enter_context()
         except BaseException as exc:
-            self._release()
+            self._release()  # first, and in C: an interrupt here must not leave the lock held
             self.fail(exc)
             raise
         return self
+
+    def __enter__(self) -> Transfer:
+        return self.start(in_context=True)
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         """Completes (checking a writing transfer's destinations) or fails; safe in any thread or context."""
@@ -323,7 +308,7 @@ class Transfer:
             await self.acquire_async()
             self.enter_context()
         except BaseException as exc:
-            self._release()
+            self._release()  # first, and in C
             self.fail(exc)
             raise
         return self
