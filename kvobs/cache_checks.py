@@ -8,14 +8,9 @@ on every call) validates once.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 from kvobs.errors import TransferRejected
-
-
-class Layout(NamedTuple):
-    cache: Any
-    num_blocks: int
 
 
 class CacheCheck:
@@ -25,27 +20,32 @@ class CacheCheck:
         self.block_dim = block_dim
         self._last: tuple[Any, Any] | None = None
 
-    def inspect(self, path: str, cache: Any) -> Any:
-        """The layout of `cache` (with `num_blocks`); TransferRejected naming the problem."""
+    def inspect(self, path: str, cache: Any, blocks: Any = None) -> Any:
+        """The layout of `cache` (with `num_blocks`), checked to hold `blocks` (a validation.Blocks or None);
+        TransferRejected naming the problem."""
+        layout = self._layout(path, cache)
+        if blocks is not None and blocks.distinct and blocks.distinct[-1] >= layout.num_blocks:
+            raise TransferRejected(
+                path, f"block id {blocks.distinct[-1]} is out of range for a cache of {layout.num_blocks} blocks"
+            )
+        return layout
+
+    def _layout(self, path: str, cache: Any) -> Any:
         last = self._last
         if last is not None and last[0] is cache:
             return last[1]
-        from kvobs.integrity import _flatten, _validate_tensors
+        from kvobs.integrity import validate_cache
 
         try:
-            import torch
-
-            tensors = _flatten(cache)
-            for t in tensors:
-                if t.is_meta or t.layout != torch.strided:
-                    raise TypeError(f"a {'meta' if t.is_meta else 'sparse'} tensor holds no data to check")
-            layout = Layout(cache, _validate_tensors(tensors, self.block_dim))
+            layout = validate_cache(cache, block_dim=self.block_dim)
         except (TypeError, ValueError) as exc:
             raise TransferRejected(path, f"cache cannot be checked: {exc}") from None
         self._last = (cache, layout)
         return layout
 
-    def check(self, layout: Any, block_ids: tuple[int, ...]) -> Any:
+    @staticmethod
+    def check(layout: Any, block_ids: tuple[int, ...]) -> Any:
+        """The NaN/Inf check of `block_ids` in a cache validated by `inspect`."""
         from kvobs.integrity import check_blocks
 
-        return check_blocks(layout.cache, block_ids, block_dim=self.block_dim)
+        return check_blocks(layout, block_ids)

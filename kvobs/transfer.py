@@ -30,7 +30,15 @@ from kvobs.atomic import one_shot_release
 from kvobs.errors import CorruptKVError, LockTimeout, ReentrantLockError, TransferRejected
 from kvobs.locks import Claim
 from kvobs.route import Route
-from kvobs.validation import Blocks, resolve_blocks, resolve_requests, validate_keys, validate_sync
+from kvobs.validation import (
+    Blocks,
+    resolve_blocks,
+    resolve_requests,
+    validate_key,
+    validate_keys,
+    validate_nbytes,
+    validate_sync,
+)
 
 NEW, WAITING, HELD, SUBMITTED = "new", "waiting", "held", "submitted"
 DONE, FAILED, ABANDONED, REJECTED, TIMED_OUT = "done", "failed", "abandoned", "rejected", "timed_out"
@@ -116,40 +124,17 @@ class Transfer:
                 self.requests, self.blocks = resolve_requests(self.path, requests, capacity=route.capacity,
                                                               page_size=route.page_size)
             validate_keys(self.path, self.keys, self.blocks, paired=route.page_size is None and group_sizes is None)
-            self._validate_nbytes()
-            self._validate_cache()
-            self._validate_key()
+            validate_nbytes(self.path, self.nbytes)
+            if self.cache is not None and route.policy is not None:
+                self._cache_info = route.caches.inspect(self.path, self.cache, self.blocks)
+            if self.key is not None:
+                validate_key(self.path, self.key, route.open is not None and route.open.find(self.path, self.key))
         except TransferRejected as exc:
             self.reject(exc)
             raise
         blocks = self.blocks
         self.claim = route.whole_cache if blocks is None else Claim(self.path, blocks.distinct, not route.reads_blocks)
         return self
-
-    def _validate_nbytes(self) -> None:
-        n = self.nbytes
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
-            raise TransferRejected(self.path, f"nbytes must be a non-negative int, got {n!r}")
-
-    def _validate_cache(self) -> None:
-        route = self.route
-        if self.cache is None or route.policy is None:
-            return
-        self._cache_info = info = route.caches.inspect(self.path, self.cache)
-        if self.blocks is not None and self.blocks.distinct and self.blocks.distinct[-1] >= info.num_blocks:
-            raise TransferRejected(
-                self.path, f"block id {self.blocks.distinct[-1]} is out of range for a cache of {info.num_blocks} blocks"
-            )
-
-    def _validate_key(self) -> None:
-        if self.key is None:
-            return
-        try:
-            hash(self.key)
-        except TypeError:
-            raise TransferRejected(self.path, f"key {self.key!r} is not hashable") from None
-        if self.route.open is not None and self.route.open.find(self.path, self.key) is not None:
-            raise TransferRejected(self.path, f"a {self.path} transfer is already open under key {self.key!r}")
 
     def reject(self, exc: BaseException) -> None:
         """Refused before holding anything (bad input, re-entry): recorded once, nothing to release."""

@@ -93,6 +93,21 @@ def validate_keys(path: str, keys: Any, blocks: Blocks | None, *, paired: bool) 
         )
 
 
+def validate_nbytes(path: str, nbytes: Any) -> None:
+    if nbytes is not None and (isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0):
+        raise TransferRejected(path, f"nbytes must be a non-negative int, got {nbytes!r}")
+
+
+def validate_key(path: str, key: Any, already_open: Any) -> None:
+    """The key a later completion finds the transfer by: hashable, and not taken by an open transfer."""
+    try:
+        hash(key)
+    except TypeError:
+        raise TransferRejected(path, f"key {key!r} is not hashable") from None
+    if already_open:
+        raise TransferRejected(path, f"a {path} transfer is already open under key {key!r}")
+
+
 def resolve_blocks(
     path: str,
     block_ids: Any,

@@ -29,16 +29,3 @@ def __getattr__(name: str) -> object:
         return getattr(layout, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-
-def _flatten(cache: object) -> list[object]:
-    """Transitional, for kvobs.cache_checks until it calls `validate_cache`: the cache's tensors."""
-    from kvobs.integrity import layout
-
-    return [t for _, t in layout._flatten(cache, "cache")]
-
-
-def _validate_tensors(tensors: list[object], block_dim: int) -> int:
-    """Transitional, for kvobs.cache_checks until it calls `validate_cache`: the block count."""
-    from kvobs.integrity import layout
-
-    return layout.validate_cache(list(tensors), block_dim=block_dim).num_blocks
