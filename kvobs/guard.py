@@ -22,10 +22,11 @@ from typing import Any
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
+from kvobs.active import ACTIVE, with_added
 from kvobs.arguments import Resolver, SpecError, compile_specs
 from kvobs.errors import TransferRejected
 from kvobs.route import Route
-from kvobs.transfer import _ACTIVE, UNSET, CorruptHandler, Transfer
+from kvobs.transfer import UNSET, CorruptHandler, Transfer
 
 SPEC_FIELDS = ("keys", "block_ids", "requests", "sync", "cache", "nbytes", "request_id", "group_sizes",
                "complete_later", "trace_context")
@@ -85,15 +86,15 @@ class Guard:
                 t.acquire(skippable=True)
                 if t.skipped:
                     return t.skip()
-                previous = _ACTIVE.get()
-                _ACTIVE.set(t.active_with(previous))
+                previous = ACTIVE.get()
+                ACTIVE.set(with_added(t, previous))
                 try:
                     if t.span is None:
                         result = func(*args, **kwargs)
                     else:
                         result = _call_in_span(t.span, func, args, kwargs)
                 finally:
-                    _ACTIVE.set(previous)
+                    ACTIVE.set(previous)
                 if result is not None and inspect.isawaitable(result):
                     _refuse_awaitable(func, result)
                 return t.returned(result, later)
@@ -167,15 +168,15 @@ def _call_in_span(span: Any, func: Callable[..., Any], args: tuple, kwargs: dict
 
 async def _await_under(t: Transfer, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     """Await `func` as the code under `t`: active in this context (re-entry refused), its span current."""
-    previous = _ACTIVE.get()
-    _ACTIVE.set(t.active_with(previous))
+    previous = ACTIVE.get()
+    ACTIVE.set(with_added(t, previous))
     token = None if t.span is None else otel_context.attach(trace.set_span_in_context(t.span))
     try:
         return await func(*args, **kwargs)
     finally:
         if token is not None:
             otel_context.detach(token)
-        _ACTIVE.set(previous)
+        ACTIVE.set(previous)
 
 
 def _refuse_awaitable(func: Callable[..., Any], result: Any) -> None:

@@ -19,37 +19,24 @@ from __future__ import annotations
 import copy
 from collections import deque
 from collections.abc import Callable
-from contextvars import ContextVar
 from itertools import islice
 from time import perf_counter
 from typing import Any
 
-from kvobs import async_wait
+from kvobs import active, async_wait
 from kvobs import semconv as sc
 from kvobs.atomic import one_shot_release
 from kvobs.errors import CorruptKVError, LockTimeout, ReentrantLockError, TransferRejected
 from kvobs.locks import Claim
 from kvobs.route import Route
-from kvobs.validation import (
-    Blocks,
-    resolve_blocks,
-    resolve_requests,
-    validate_key,
-    validate_keys,
-    validate_nbytes,
-    validate_sync,
-)
+from kvobs.validation import Blocks, resolve_blocks, resolve_requests, validate_key, validate_keys
+from kvobs.validation import validate_nbytes, validate_sync
 
 NEW, WAITING, HELD, SUBMITTED = "new", "waiting", "held", "submitted"
 DONE, FAILED, ABANDONED, REJECTED, TIMED_OUT = "done", "failed", "abandoned", "rejected", "timed_out"
 UNSET: Any = object()
 _HOLDING = (HELD, SUBMITTED)
 _ONE_TOKEN = (True,)
-
-# Transfers holding a lock for the code running in this context (decorated calls and with-blocks), so a
-# nested guarded call on the same lock fails at once instead of waiting for itself. Entries that have ended
-# are ignored and pruned, so one left behind by an interrupted exit does no harm.
-_ACTIVE: ContextVar[tuple[Transfer, ...]] = ContextVar("kvobs_active_transfers", default=())
 
 CorruptHandler = Callable[["Transfer", tuple[int, ...]], Any]
 
@@ -168,7 +155,7 @@ class Transfer:
 
     def _start_waiting(self) -> Route:
         route = self.route
-        if _ACTIVE.get():
+        if active.ACTIVE.get():
             self._refuse_reentry()
         held = self._held = deque()
         self._release = one_shot_release(held)
@@ -180,7 +167,7 @@ class Transfer:
 
     def _refuse_reentry(self) -> None:
         lock = self.route.lock
-        for other in _ACTIVE.get():
+        for other in active.ACTIVE.get():
             if other.route.lock is lock and other.holds() and lock.overlaps(other.claim, self.claim):
                 exc = ReentrantLockError(lock.name, self.path, other.path)
                 self.reject(exc)
@@ -232,20 +219,6 @@ class Transfer:
 
     # -- the code running under the transfer -----------------------------------------------------------------
 
-    def active_with(self, active: tuple[Transfer, ...]) -> tuple[Transfer, ...]:
-        """The context's active transfers with this one added (ended ones pruned)."""
-        return tuple(t for t in active if t.holds()) + (self,) if active else (self,)
-
-    def enter_context(self) -> None:
-        """Mark this transfer active in the current context (for code that runs under it)."""
-        _ACTIVE.set(self.active_with(_ACTIVE.get()))
-
-    def forget_context(self) -> None:
-        """Remove this transfer from the current context's active ones, whichever context that is."""
-        active = _ACTIVE.get()
-        if self in active:
-            _ACTIVE.set(tuple(t for t in active if t is not self))
-
     def returned(self, result: Any, completes_later: bool) -> Any:
         """The issuing call returned `result`: complete now, or leave the transfer open until `complete()`
         arrives from elsewhere or the deadline passes."""
@@ -268,7 +241,7 @@ class Transfer:
         try:
             self.acquire()
             if in_context:
-                self.enter_context()
+                active.enter(self)
         except BaseException as exc:
             self._release()  # first, and in C: an interrupt here must not leave the lock held
             self.fail(exc)
@@ -283,7 +256,7 @@ class Transfer:
         if exc is not None:
             self._release()
             self.fail(exc)
-        self.forget_context()
+        active.forget(self)
         if exc is None:
             self.complete()
 
@@ -291,7 +264,7 @@ class Transfer:
         self._refuse_reuse()
         try:
             await self.acquire_async()
-            self.enter_context()
+            active.enter(self)
         except BaseException as exc:
             self._release()  # first, and in C
             self.fail(exc)
