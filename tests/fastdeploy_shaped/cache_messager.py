@@ -22,6 +22,7 @@ from fastdeploy_shaped.tensors import full, view
 
 logger = logging.getLogger("fastdeploy_shaped.cache_messager")
 RUNNER_SIGNALS: dict[int, queue.Queue] = {}
+READS: dict[int, int] = {}  # calls of get_output_kv_signal begun, per rank id (tests wait on it)
 WORKER_QUEUES: dict[int, Any] = {}  # engine_worker_queue_port -> WorkerQueueServer
 
 
@@ -32,6 +33,7 @@ def runner_signal(rank_id: int, layer: int, entries: list[tuple[int, int, int]])
 
 def get_output_kv_signal(kv_signal_data: Any, rank_id: int, wait_flag: int) -> None:
     """Fill the signal array in place: [count, layer, (slot, offset, length) * count]; count -1 when none."""
+    READS[rank_id] = READS.get(rank_id, 0) + 1
     data = view(kv_signal_data)
     try:
         layer, entries = RUNNER_SIGNALS.setdefault(rank_id, queue.Queue()).get(timeout=0.005)

@@ -13,7 +13,8 @@ The bridge puts kvobs's signal buffer between the two threads without editing ei
   kept signal exactly once and the bridge queues the send, as the loop would have;
 - when a task ends (`engine_worker_queue.put_finished_req`), its slot is finished in the buffer.
 
-With tensor parallelism every rank runs its own messager, and the ranks' send barriers need the same
+Install the bridge right after the messager is built: a read already in progress at that moment completes
+without it. With tensor parallelism every rank runs its own messager, and the ranks' send barriers need the same
 batches in the same order: give each rank a `StepAlignedSignalBuffer`; the bridge then decides once per
 model-runner step (at each layer0 read), in the buffer's canonical order.
 """
@@ -51,7 +52,9 @@ def bridge_cache_messager(messager: Any, buffer: EarlySignalBuffer | StepAligned
     queue = messager.engine_worker_queue
     patches.replace(queue, "put_finished_add_cache_task_req", bridge.registering)
     patches.replace(queue, "put_finished_req", bridge.finishing)
-    patches.add(READERS.attach(module or sys.modules[type(messager).__module__], messager.rank_id, bridge))
+    detach = READERS.attach(module or sys.modules[type(messager).__module__], messager.rank_id, bridge)
+    if detach is not None:
+        patches.add(detach)
     return patches
 
 
@@ -171,7 +174,8 @@ class _Readers:
         self._lock = threading.Lock()
         self._modules: dict[ModuleType, tuple[Callable[..., Any], dict[Any, SignalBridge]]] = {}
 
-    def attach(self, module: ModuleType, rank_id: Any, bridge: SignalBridge) -> Callable[[], None]:
+    def attach(self, module: ModuleType, rank_id: Any, bridge: SignalBridge) -> Callable[[], None] | None:
+        """Dispatch `rank_id`'s reads to `bridge`; the undo, or None when that rank is bridged already."""
         with self._lock:
             if module not in self._modules:
                 original = getattr(module, SIGNAL_READER)
@@ -180,7 +184,7 @@ class _Readers:
                 setattr(module, SIGNAL_READER, _dispatching(original, bridges))
             bridges = self._modules[module][1]
             if rank_id in bridges:
-                return lambda: None  # this rank is bridged already
+                return None
             bridges[rank_id] = bridge
         return lambda: self._detach(module, rank_id, bridge)
 

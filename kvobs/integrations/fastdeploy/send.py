@@ -19,8 +19,10 @@ from typing import Any
 from kvobs import semconv as sc
 from kvobs.integrations.fastdeploy.kvcache import per_layer
 from kvobs.integrations.fastdeploy.patching import Patches
+from kvobs.locks import Claim
 from kvobs.observer import KVObserver
 
+_SEQUENCE = itertools.count()  # send keys unique in the process, whatever observer and manager they are for
 WRITE_ERROR = 1  # a non-zero `write_cache` return code: the messager marks the request "write cache error"
 
 
@@ -29,7 +31,17 @@ class LaunchFailed(RuntimeError):
 
 
 def instrument_ipc_comm_manager(comm: Any, obs: KVObserver) -> Patches:
-    """Send transfers for `comm`'s `write_cache` calls, completed by `write_block_by_sync`. Returns the undo."""
+    """Send transfers for `comm`'s `write_cache` calls, completed by `write_block_by_sync`. Returns the undo.
+
+    Many sends are open at once (every layer until the sync), so the observer's lock must let them share
+    (lock=None, or a BlockLock: sends read their blocks); a global lock is refused here, as the second
+    layer's send would wait for the first one's sync, which comes after it.
+    """
+    if obs.lock.overlaps(Claim(sc.PATH_SEND, (0,), False), Claim(sc.PATH_SEND, (1,), False)):
+        raise ValueError(
+            f"instrument_ipc_comm_manager: the observer's lock {obs.lock!r} lets one send at a time, but every "
+            "layer's send stays open until write_block_by_sync; use KVObserver(lock=None) or a BlockLock"
+        )
     sends = OpenSends(obs)
     layer_cache = per_layer(lambda: comm.local_key_cache_tensor_list, lambda: comm.local_value_cache_tensor_list)
     guard = obs.send(block_ids="local_block_ids", complete_later=sends.next_key,
@@ -46,14 +58,13 @@ class OpenSends:
 
     def __init__(self, obs: KVObserver) -> None:
         self._obs = obs
-        self._seq = itertools.count()
         self._local = threading.local()  # the key the current write_cache call opened
         self._open: dict[Any, list[Any]] = {}  # remote GPU id -> keys
         self._lock = threading.Lock()
 
     def next_key(self, ip: Any, remote_gpu_id: Any, *rest: Any) -> tuple[Any, int]:
         """A `complete_later` spec: a fresh key per call, remembered for this call's thread."""
-        key = self._local.key = (remote_gpu_id, next(self._seq))
+        key = self._local.key = (remote_gpu_id, next(_SEQUENCE))
         return key
 
     def launching(self, write: Callable[..., int]) -> Callable[..., int]:

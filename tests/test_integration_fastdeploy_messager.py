@@ -1,0 +1,136 @@
+"""FastDeploy's prefill cache messager under kvobs: an early layer0 signal is kept until its task registers
+(the incident: `if not self.cache_info: continue` and the send thread's assertion lost it), without editing
+the messager's loops; its IPC sends are send transfers, checked before the copy and completed at the sync."""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+
+import numpy as np
+import pytest
+
+from fastdeploy_shaped import cache_messager
+from fastdeploy_shaped.prefill import LAYERS, prefill_node, wait_until
+from kvobs.integrations import fastdeploy as kvfd
+from kvobs.signals import StepAlignedSignalBuffer
+from kvobs.testing import capture
+
+SRC, DEST, TOKENS, SLOT = [5, 6, 7], [1, 2, 3], 10, 3  # 10 tokens: 3 blocks of 4
+
+
+@pytest.fixture
+def stack():
+    with ExitStack() as s:
+        yield s
+
+
+def node(stack: ExitStack, n_ranks: int = 1):
+    prefill = prefill_node(n_ranks)
+    stack.callback(prefill.stop)
+    return prefill
+
+
+def bridged(stack: ExitStack, prefill, cap, buffers=None) -> None:
+    for i, m in enumerate(prefill.messagers):
+        buffer = buffers[i] if buffers else cap.observer.signal_buffer()
+        stack.callback(kvfd.bridge_cache_messager(m, buffer))
+        stack.callback(kvfd.instrument_ipc_comm_manager(m.messager["ipc"], cap.observer))
+    prefill.settle()  # a read in progress while the bridge was installed ran without it
+
+
+def early_signal_then_registration(prefill, within: float = 10.0) -> list:
+    prefill.start_sending()
+    prefill.prefill_info("req", SLOT, SRC, TOKENS)
+    prefill.run_layers(SLOT, TOKENS)  # every layer prefilled before the decode node's blocks arrive
+    prefill.decode_info("req", DEST)
+    return prefill.finished(within)
+
+
+def sent_correctly(prefill, rank: int = 0) -> bool:
+    src, dest = prefill.prefill_cache(rank), prefill.decode_cache(rank)
+    return all(np.array_equal(dest[layer][DEST], src[layer][SRC]) for layer in range(LAYERS))
+
+
+def test_upstream_loses_the_early_signal_and_the_request_hangs(stack):
+    prefill = node(stack)
+    assert early_signal_then_registration(prefill, within=1.5) == []  # (bridged, it takes milliseconds)
+    assert not sent_correctly(prefill)
+
+
+def test_the_bridge_keeps_the_early_signal_until_the_task_registers(stack):
+    prefill = node(stack)
+    cap = stack.enter_context(capture("fd-messager", integrity="raise", lock=None))
+    bridged(stack, prefill, cap)
+    assert early_signal_then_registration(prefill) == [["req", "finished"]]
+    assert sent_correctly(prefill)  # every layer, although their signals came before the task
+    assert cap.value("kvobs_signals_total", outcome="recovered") == 1
+    assert cap.value("kvobs_transfers_total", path="send", outcome="ok") == LAYERS
+    assert prefill.messagers[0].idx_cache_task_dict == {} and cap.observer.open.count("send") == 0
+
+
+def test_a_registered_task_sends_as_before(stack):
+    prefill = node(stack)
+    cap = stack.enter_context(capture("fd-messager", integrity="raise", lock=None))
+    bridged(stack, prefill, cap)
+    prefill.start_sending()
+    prefill.prefill_info("req", SLOT, SRC, TOKENS)
+    prefill.decode_info("req", DEST)
+    wait_until(lambda: SLOT in prefill.messagers[0].idx_cache_task_dict)
+    prefill.run_layers(SLOT, TOKENS)
+    assert prefill.finished() == [["req", "finished"]] and sent_correctly(prefill)
+    assert cap.value("kvobs_signals_total", outcome="ready") == 1
+
+
+def test_a_nan_source_is_not_sent_and_the_request_ends_in_error(stack):
+    prefill = node(stack)
+    cap = stack.enter_context(capture("fd-messager", integrity="raise", lock=None))
+    bridged(stack, prefill, cap)
+    prefill.prefill_cache()[1][6, 0, 0, 0] = np.nan
+    assert early_signal_then_registration(prefill) == [["req", "write cache error"]]  # reported, no hang
+    decode = prefill.decode_cache()
+    assert not decode[1][DEST].any() and np.array_equal(decode[0][DEST], prefill.prefill_cache()[0][SRC])
+    assert cap.value("kvobs_nan_checks_total", path="send", result="nan") == 1
+    assert cap.value("kvobs_transfers_total", path="send", outcome="rejected") == 1
+
+
+def test_tensor_parallel_ranks_release_the_same_batches(stack):
+    prefill = node(stack, n_ranks=2)
+    cap = stack.enter_context(capture("fd-messager", integrity="raise", lock=None))
+    bridged(stack, prefill, cap, buffers=[StepAlignedSignalBuffer(), StepAlignedSignalBuffer()])
+    prefill.start_sending()
+    prefill.prefill_info("req", SLOT, SRC, TOKENS)
+    prefill.run_layers(SLOT, TOKENS)  # step 1 on both ranks: no task yet, the layer0 signal is kept
+    prefill.decode_info("req", DEST)
+    wait_until(lambda: len(prefill.server.finished_add) == 2)  # registered on both ranks
+    prefill.run_layers(9, 4, range(1))  # step 2: another slot's layer0; both ranks decide alike
+    assert prefill.finished() == [["req", "finished"]]  # the ranks' send barriers lined up
+    assert sent_correctly(prefill, 0) and sent_correctly(prefill, 1)
+
+
+def test_undo_restores_the_messager_and_its_module(stack):
+    prefill = node(stack)
+    m = prefill.messagers[0]
+    reader = cache_messager.get_output_kv_signal
+    before = dict(vars(m.engine_worker_queue)), dict(vars(m.messager["ipc"]))
+    with capture("fd-messager", lock=None) as cap:
+        undo = [kvfd.bridge_cache_messager(m, cap.observer.signal_buffer()),
+                kvfd.bridge_cache_messager(m, cap.observer.signal_buffer()),  # twice: wraps once
+                kvfd.instrument_ipc_comm_manager(m.messager["ipc"], cap.observer)]
+        assert cache_messager.get_output_kv_signal is not reader and not undo[1].active
+        for u in reversed(undo):
+            u()
+    assert cache_messager.get_output_kv_signal is reader
+    assert (dict(vars(m.engine_worker_queue)), dict(vars(m.messager["ipc"]))) == before
+
+
+def test_the_bridge_refuses_what_is_not_a_signal_buffer(stack):
+    prefill = node(stack)
+    with pytest.raises(TypeError, match="EarlySignalBuffer or StepAlignedSignalBuffer"):
+        kvfd.bridge_cache_messager(prefill.messagers[0], object())
+
+
+def test_sends_need_a_lock_that_lets_them_share(stack):
+    prefill = node(stack)
+    with capture("fd-messager") as cap:  # the default ThreadLock: one transfer at a time
+        with pytest.raises(ValueError, match="lock=None"):
+            kvfd.instrument_ipc_comm_manager(prefill.messagers[0].messager["ipc"], cap.observer)
