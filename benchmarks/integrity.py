@@ -122,10 +122,11 @@ def main() -> None:
     fns["kvobs, adjacent"] = lambda: check_blocks(validated, adjacent)
     fns["sum"] = lambda: same_size.sum().item()
     gbps = measure(fns, nbytes, device, reps)
-    naive = measure(
-        {"isfinite": lambda: torch.isfinite(cache[index]).all().item(), "gather + sum": lambda: cache[index].sum().item()},
-        nbytes, device, naive_reps,
-    )
+    gathers = {
+        "isfinite": lambda: torch.isfinite(cache[index]).all().item(),
+        "gather + sum": lambda: cache[index].sum().item(),
+    }
+    naive = measure(gathers, nbytes, device, naive_reps)
     shape = ", ".join(map(str, BLOCK_SHAPE))
     print(row(f"{RANDOM_BLOCKS} random blocks of [{NUM_BLOCKS}, {shape}] bf16", nbytes, gbps["kvobs"],
               gbps.get("kvobs torch path"), naive["isfinite"], gbps["sum"]))

@@ -8,6 +8,7 @@ per-block reference.
 from __future__ import annotations
 
 import contextlib
+import math
 import pickle
 import random
 
@@ -23,8 +24,9 @@ from kvobs.integrity import (
     CorruptKVError,
     IntegrityPolicy,
     check_blocks,
+    kernel,
+    torch_path,
 )
-from kvobs.integrity import kernel, torch_path
 from kvobs.semconv import CHECK_CLEAN, CHECK_INF, CHECK_NAN
 
 FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
@@ -87,7 +89,7 @@ def expect(result: CheckResult, nan=(), inf=(), checked=None) -> None:
 
 
 def finding(value: float, block: int) -> tuple[set[int], set[int]]:
-    return ({block}, set()) if value != value else (set(), {block})
+    return ({block}, set()) if math.isnan(value) else (set(), {block})
 
 
 # --- correctness --------------------------------------------------------------------------------------------
@@ -106,7 +108,7 @@ def test_single_tensor_finds_bad_value(method, dtype, where):
         before = raw(cache).clone()
         result = check(cache, selected, method)
         expect(result, *finding(value, block), checked=len(selected))
-        assert result.result == (CHECK_NAN if value != value else CHECK_INF)
+        assert result.result == (CHECK_NAN if math.isnan(value) else CHECK_INF)
         assert not result.clean and result.bad_block_ids == (block,)
         assert torch.equal(raw(cache), before)
 

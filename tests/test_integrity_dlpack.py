@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from test_integrity import METHODS, check, expect
 
 from kvobs.integrity import check_blocks, validate_cache
-from test_integrity import METHODS, check, expect
 
 NUM_BLOCKS = 16
 BLOCK = (4, 2, 8)

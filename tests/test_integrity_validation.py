@@ -143,7 +143,7 @@ def test_unknown_method():
 
 
 def test_validated_cache_is_exported():
-    import kvobs.integrity as integrity
+    from kvobs import integrity
 
     assert integrity.ValidatedCache is ValidatedCache
     with pytest.raises(AttributeError, match="no attribute 'nope'"):

@@ -57,8 +57,8 @@ def non_finite_bits(dtype: Any) -> NonFiniteBits | None:
     return _BY_NAME.get(str(dtype).removeprefix("torch."))
 
 
-def lane_test(bits: NonFiniteBits) -> tuple[int, int, int, int, int, int]:
-    """(xor, ones, low, keep, top, bad_min): a test of 64-bit words holding 8 / width values ("lanes") at once.
+def lane_test(bits: NonFiniteBits) -> tuple[int, int, int, int, int]:
+    """(xor, ones, low, keep, top): a test of 64-bit words holding 8 / width values ("lanes") at once.
 
     With y = word ^ xor, the top bit of each lane of `((y & ones) + low) & (y | keep)` is set exactly when
     that lane is NaN or Inf (no carry crosses lanes: `ones + low` is at most the lane's top bit). ORing the
@@ -69,7 +69,6 @@ def lane_test(bits: NonFiniteBits) -> tuple[int, int, int, int, int, int]:
       of the field is set; keep = top lets the sign be anything.
     - one NaN pattern (fnuz, e8m0): y = value ^ flip is all ones exactly for NaN; ones = the bits below the
       top, low = 1, keep = 0 so that the top bit of y must be set too.
-    bad_min is passed along for the values of a piece that do not fill a whole word.
     """
     lanes = 8 // bits.width
     top = 1 << (8 * bits.width - 1)
@@ -78,4 +77,4 @@ def lane_test(bits: NonFiniteBits) -> tuple[int, int, int, int, int, int]:
     else:
         ones, low, keep = top - 1, 1, 0
     spread = sum(1 << (8 * bits.width * i) for i in range(lanes))  # 0x0001000100010001 for 2-byte lanes
-    return bits.flip * spread, ones * spread, low * spread, keep * spread, top * spread, bits.bad_min
+    return bits.flip * spread, ones * spread, low * spread, keep * spread, top * spread

@@ -49,7 +49,8 @@ class KernelPlan:
     segments: np.ndarray  # int64 offsets of the contiguous pieces of one block, relative to its start
     length: int
     bits: NonFiniteBits
-    constants: tuple[Any, ...]  # mask, flip, bad_min, nan_min as scalars of the word type, the lane test
+    rule: np.ndarray  # mask, flip, bad_min, nan_min as words (read-only)
+    test: np.ndarray  # the lane test over 64-bit words (`bits.lane_test`, read-only)
 
     @property
     def block_bytes(self) -> int:
@@ -61,7 +62,8 @@ class KernelPlan:
 
         ids: int64, distinct, in range; flags: uint8, one per id, shared by all the tensors of a cache.
         """
-        _compiled.block_flags(self.words, ids, self.block_stride, self.segments, self.length, *self.constants, flags)
+        layout = (self.block_stride, self.segments, self.length)
+        _compiled.block_flags(self.words, ids, *layout, self.rule, self.test, flags)
 
 
 def unavailable_reason() -> str | None:
@@ -91,12 +93,11 @@ def plan(tensor: Any, block_dim: int) -> KernelPlan | None:
     words = _words(tensor, bits.width)
     if words is None:
         return None
-    word = words.dtype.type
-    _load().ready(word)
+    _load().ready(words.dtype.type)
+    rule = np.array((bits.mask, bits.flip, bits.bad_min, bits.nan_min), dtype=words.dtype)
     test = np.array(lane_test(bits), dtype=np.uint64)
-    test.flags.writeable = False
-    constants = (word(bits.mask), word(bits.flip), word(bits.bad_min), word(bits.nan_min), test)
-    return KernelPlan(words, strides[block_dim], segments, length, bits, constants)
+    rule.flags.writeable = test.flags.writeable = False
+    return KernelPlan(words, strides[block_dim], segments, length, bits, rule, test)
 
 
 def _words(tensor: Any, width: int) -> np.ndarray | None:

@@ -47,25 +47,25 @@ def _lane_test(wide, test, acc):  # type: ignore[no-untyped-def]
 
 
 @_jit
-def _run_is_bad(words, start, size, test, mask, flip, acc):  # type: ignore[no-untyped-def]
+def _run_is_bad(words, start, size, rule, top, acc):  # type: ignore[no-untyped-def]
     """Whether the run words[start : start + size] holds anything non-finite, given the lane-test result
     `acc` of its whole 64-bit words: the values after the last whole word are tested here."""
-    whole = size // (8 // words.itemsize) * (8 // words.itemsize)
-    if acc & test[4]:
+    if acc & top:
         return True
-    return whole < size and _max_key(words[start + whole : start + size], mask, flip, mask ^ mask) >= test[5]
+    whole = size // (8 // words.itemsize) * (8 // words.itemsize)
+    mask, flip, bad_min = rule[0], rule[1], rule[2]
+    return whole < size and _max_key(words[start + whole : start + size], mask, flip, mask ^ mask) >= bad_min
 
 
 @_jit
-def _verdicts(words, ids, block_stride, segments, length, first, count, mask, flip, bad_min, nan_min, flags):  # type: ignore[no-untyped-def]
+def _verdicts(words, ids, block_stride, segments, length, first, count, rule, flags):  # type: ignore[no-untyped-def]
     """Read each piece of a bad run value by value: flags[block] = max(itself, 2 for NaN, 1 for Inf)."""
+    mask, flip, bad_min, nan_min = rule[0], rule[1], rule[2], rule[3]
     for piece in range(first, first + count):
         segment, j = divmod(piece, ids.shape[0])
         start = segments[segment] + ids[j] * block_stride
         key = _max_key(words[start : start + length], mask, flip, mask ^ mask)
-        flag = 2 if key >= nan_min else (1 if key >= bad_min else 0)
-        if flag > flags[j]:
-            flags[j] = flag
+        flags[j] = max(flags[j], 2 if key >= nan_min else (1 if key >= bad_min else 0))
 
 
 @_jit
@@ -91,8 +91,10 @@ def _runs(ids, block_stride, segments, length):  # type: ignore[no-untyped-def]
 
 
 @_jit
-def block_flags(words, ids, block_stride, segments, length, mask, flip, bad_min, nan_min, test, flags):  # type: ignore[no-untyped-def]
+def block_flags(words, ids, block_stride, segments, length, rule, test, flags):  # type: ignore[no-untyped-def]
     """flags[j] = max(itself, 2 if block ids[j] holds a NaN, else 1 if it holds an Inf).
+
+    rule: (mask, flip, bad_min, nan_min) of the format, as words; test: its lane test (`bits.lane_test`).
 
     Segment s of block b is words[b * block_stride + segments[s] :][:length]. Pieces that touch in memory
     form a run, read as one stream. A lane test over 64-bit words finds whether a run holds anything
@@ -119,10 +121,10 @@ def block_flags(words, ids, block_stride, segments, length, mask, flip, bad_min,
         for begin in range(0, max(wide_r.shape[0], wide_s.shape[0]), CHUNK):
             acc_r = _lane_test(wide_r[begin : begin + CHUNK], test, acc_r)
             acc_s = _lane_test(wide_s[begin : begin + CHUNK], test, acc_s)
-        if _run_is_bad(words, start_r, size_r, test, mask, flip, acc_r):
-            _verdicts(words, ids, block_stride, segments, length, firsts[r], counts[r], mask, flip, bad_min, nan_min, flags)
-        if s != r and _run_is_bad(words, start_s, size_s, test, mask, flip, acc_s):
-            _verdicts(words, ids, block_stride, segments, length, firsts[s], counts[s], mask, flip, bad_min, nan_min, flags)
+        if _run_is_bad(words, start_r, size_r, rule, top, acc_r):
+            _verdicts(words, ids, block_stride, segments, length, firsts[r], counts[r], rule, flags)
+        if s != r and _run_is_bad(words, start_s, size_s, rule, top, acc_s):
+            _verdicts(words, ids, block_stride, segments, length, firsts[s], counts[s], rule, flags)
 
 
 def ready(word: type) -> None:
@@ -130,22 +132,17 @@ def ready(word: type) -> None:
     the first check. Thread-safe (numba compiles under its own lock; a repeat is a no-op)."""
     if word in _ready:
         return
-    index = numba.types.Array(numba.types.int64, 1, "C")
-    scalar = numba.from_dtype(np.dtype(word))
-    words = numba.types.Array(scalar, 1, "C", readonly=True)
-    flags = numba.types.Array(numba.types.uint8, 1, "C")
-    test = numba.types.Array(numba.types.uint64, 1, "C", readonly=True)
-    segments = numba.types.Array(numba.types.int64, 1, "C", readonly=True)
-    signature = (words, index, numba.types.int64, segments, numba.types.int64, scalar, scalar, scalar, scalar, test, flags)
-    block_flags.compile(signature)
-    sample = np.zeros(1, dtype=word)
-    sample.flags.writeable = False  # the first call also resolves the argument types: keep it out of checks
-    zero, one = word(0), word(1)
-    lanes = np.zeros(6, np.uint64)
-    lanes.flags.writeable = False
-    segments = np.zeros(1, np.int64)
-    segments.flags.writeable = False
-    block_flags(sample, np.zeros(1, np.int64), 1, segments, 1, zero, zero, one, one, lanes, np.zeros(1, np.uint8))
+    def array(dtype: Any, readonly: bool = True) -> Any:
+        return numba.types.Array(numba.from_dtype(np.dtype(dtype)), 1, "C", readonly=readonly)
+
+    count = numba.types.int64
+    ids, flags = array(np.int64, readonly=False), array(np.uint8, readonly=False)
+    block_flags.compile((array(word), ids, count, array(np.int64), count, array(word), array(np.uint64), flags))
+    # The first call also resolves the argument types: keep that out of the first check too.
+    sample, segments, rule, test = np.zeros(1, word), np.zeros(1, np.int64), np.ones(4, word), np.zeros(5, np.uint64)
+    for readonly in (sample, segments, rule, test):
+        readonly.flags.writeable = False
+    block_flags(sample, np.zeros(1, np.int64), 1, segments, 1, rule, test, np.zeros(1, np.uint8))
     _ready.add(word)
 
 
