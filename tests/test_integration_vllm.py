@@ -3,6 +3,7 @@ options checked, its HMA claim matching its child's, and the wrapped connector's
 method returns what the unwrapped connector returns on the same inputs, and raises what it raises.
 """
 
+# ruff: noqa: F811  (pytest fixtures imported from upstream are parameters of the tests)
 from __future__ import annotations
 
 import functools
@@ -17,13 +18,24 @@ from typing import Any
 
 import pytest
 import torch
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-
 import upstream
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from test_integration_vllm_support import (
-    BASE, MODULE, NUM_BLOCKS, Rig, backend, create, layer_caches, load_job, offloading_child, offloading_metadata,
-    store_job, vllm_config, wrapper_config)
-from upstream import vllm  # noqa: F401  (fixture)
+    BASE,
+    MODULE,
+    NUM_BLOCKS,
+    Rig,
+    backend,
+    create,
+    layer_caches,
+    load_job,
+    offloading_child,
+    offloading_metadata,
+    store_job,
+    vllm_config,
+    wrapper_config,
+)
+from upstream import vllm  # noqa: F401  (the fixture)
 
 PLAIN = {"kv_connector": "PlainConnector", "kv_connector_module_path": "test_integration_vllm_support",
          "kv_role": "kv_both"}
@@ -33,7 +45,8 @@ def test_importing_the_integration_imports_no_vllm() -> None:
     code = ("import sys, kvobs, kvobs.integrations.vllm as v\n"
             "assert 'vllm' not in sys.modules and 'torch' not in sys.modules\n"
             "try:\n    v.KVObsConnector\nexcept ImportError as e:\n    print(e)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         check=False)
     assert out.returncode == 0, out.stderr
     assert "needs vLLM 0.33 (pip install vllm==0.33.0)" in out.stdout
 
@@ -157,7 +170,7 @@ class Session:
     def __call__(self, name: str, *args: Any, **kwargs: Any) -> Any:
         try:
             value = getattr(self.connector, name)(*args, **kwargs)
-        except Exception as exc:  # noqa: BLE001 - the exception is the result compared
+        except Exception as exc:  # noqa: BLE001 - what it raised is the result compared
             self.log.append((name, "raised", type(exc), str(exc)))
             return None
         self.log.append((name, "returned", _comparable(value)))

@@ -3,6 +3,7 @@ threads (see test_integration_vllm_support): each load job is a prefetch checked
 done, each store job a write-back checked before it is submitted.
 """
 
+# ruff: noqa: F811  (pytest fixtures imported from upstream are parameters of the tests)
 from __future__ import annotations
 
 import math
@@ -10,12 +11,12 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-
 import upstream
+from test_integration_vllm_support import Rig, as_bytes, load_job, store_job, wait_until
+from upstream import vllm  # noqa: F401  (the fixture)
+
 from kvobs import semconv as sc
 from kvobs.errors import CorruptKVError
-from test_integration_vllm_support import Rig, as_bytes, load_job, store_job, wait_until
-from upstream import vllm  # noqa: F401  (fixture)
 
 NAN = math.nan
 

@@ -1,12 +1,13 @@
 """vLLM's PD path under KVObsConnector: the REAL NixlConnector scheduler halves of vLLM 0.33 on both nodes
 (prefill: `request_finished` hands kv_transfer_params to the decode node; decode: matches, allocates and
 builds the real `NixlConnectorMetadata`), and on the decode worker a connector that performs NIXL's read on a
-thread (NIXL itself needs RDMA hardware; see test_integration_vllm_support.SimulatedNixlWorker).
+thread (NIXL itself needs RDMA hardware; see test_integration_vllm_pd_support).
 
 The prefill's `send` transfer carries its trace context in kv_transfer_params; the decode's `receive`
 continues it: shown across two processes with the real OTLP exporter and a receiver.
 """
 
+# ruff: noqa: F811  (pytest fixtures imported from upstream are parameters of the tests)
 from __future__ import annotations
 
 import json
@@ -20,18 +21,31 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import upstream
 from prometheus_client import CollectorRegistry
+from support import otlp_receiver
+from test_integration_vllm_pd_support import (
+    REMOTE_BLOCKS,
+    decode_request,
+    decode_schedule,
+    finished_prefill,
+    nixl_child,
+    receive_until,
+    simulated_worker_child,
+)
+from test_integration_vllm_support import (
+    create,
+    engine_label,
+    layer_caches,
+    wait_until,
+    wrapper_config,
+)
+from upstream import vllm  # noqa: F401  (the fixture)
 
 import kvobs
-import upstream
 from kvobs import semconv as sc
 from kvobs.integrations.vllm import TRACE_CONTEXT_KEY, use_observer
 from kvobs.testing import Captured, capture
-from support import otlp_receiver
-from test_integration_vllm_support import (
-    REMOTE_BLOCKS, create, decode_request, decode_schedule, engine_label, finished_prefill, layer_caches, nixl_child,
-    receive_until, simulated_worker_child, wait_until, wrapper_config)
-from upstream import vllm  # noqa: F401  (fixture)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -196,20 +210,21 @@ import kvobs, upstream
 from prometheus_client import CollectorRegistry
 from kvobs.integrations.vllm import use_observer
 import test_integration_vllm_support as s
+import test_integration_vllm_pd_support as pd
 
 endpoint, message = sys.argv[1], json.loads(sys.stdin.readline())
 provider = kvobs.configure_tracing("kvobs-vllm-decode", endpoint=endpoint, set_global=False)
 use_observer(kvobs.KVObserver("vllm-decode", lock=None, registry=CollectorRegistry(), tracer_provider=provider))
 with upstream.require("vllm").active() as vllm:
-    s.REMOTE_BLOCKS.update({(message["engine_id"], int(b)): v for b, v in message["blocks"].items()})
-    scheduler = s.create(vllm, s.wrapper_config(vllm, s.nixl_child("kv_consumer"), engine="vllm-decode"),
+    pd.REMOTE_BLOCKS.update({(message["engine_id"], int(b)): v for b, v in message["blocks"].items()})
+    scheduler = s.create(vllm, s.wrapper_config(vllm, pd.nixl_child("kv_consumer"), engine="vllm-decode"),
                          role="SCHEDULER")
-    worker = s.create(vllm, s.wrapper_config(vllm, s.simulated_worker_child(), engine="vllm-decode"))
+    worker = s.create(vllm, s.wrapper_config(vllm, pd.simulated_worker_child(), engine="vllm-decode"))
     worker.register_kv_caches(s.layer_caches())
-    request = s.decode_request(message["request_id"], message["kv_transfer_params"])
-    worker.bind_connector_metadata(s.decode_schedule(vllm, scheduler, request, local_blocks=[6, 7]))
+    request = pd.decode_request(message["request_id"], message["kv_transfer_params"])
+    worker.bind_connector_metadata(pd.decode_schedule(vllm, scheduler, request, local_blocks=[6, 7]))
     worker.start_load_kv(None)
-    print(json.dumps({k: sorted(v) for k, v in s.receive_until(worker, request.request_id).items()}), flush=True)
+    print(json.dumps({k: sorted(v) for k, v in pd.receive_until(worker, request.request_id).items()}), flush=True)
 provider.shutdown()
 """
 
@@ -248,6 +263,6 @@ def test_one_trace_across_the_prefill_and_decode_processes(vllm: upstream.Upstre
 def _decode_node(endpoint: str, message: str) -> str:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run([sys.executable, "-c", DECODE_NODE, endpoint], input=message + "\n", capture_output=True,
-                         text=True, env=env, timeout=180, cwd=REPO)
+                         text=True, env=env, timeout=180, cwd=REPO, check=False)
     assert out.returncode == 0, out.stderr[-4000:]
     return out.stdout.strip().splitlines()[-1]

@@ -11,14 +11,12 @@ and read what moved (`submitted`, `host`).
 from __future__ import annotations
 
 import itertools
-import math
 import threading
 import time
 import types
 from typing import Any
 
 import torch
-
 import upstream
 
 BASE = "vllm.distributed.kv_transfer.kv_connector.v1.base"
@@ -118,8 +116,7 @@ _served: dict[tuple[int, str], type] = {}
 
 
 def __getattr__(name: str) -> Any:
-    makers = {"ThreadOffloadingSpec": _make_spec, "PlainConnector": _make_plain_connector,
-              "SimulatedNixlWorker": _make_simulated_nixl_worker}
+    makers = {"ThreadOffloadingSpec": _make_spec, "PlainConnector": _make_plain_connector}
     if name not in makers:
         raise AttributeError(name)
     engine = upstream.require("vllm")
@@ -128,105 +125,114 @@ def __getattr__(name: str) -> Any:
     return _served[(id(engine), name)]
 
 
-def _make_plain_connector(vllm: upstream.Upstream) -> type:
+class _PlainConnectorMethods:
     """A connector without HMA support, with its own classmethod answers and its own errors."""
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        if kwargs:
+            raise TypeError(f"unexpected load options {sorted(kwargs)}")
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        return max(0, 32 - num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        return None
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        return self.metadata_type()
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, Any]:
+        raise LookupError(f"PlainConnector does not know request {request.request_id!r}")
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str:
+        return f"PLAIN-{vllm_config.kv_transfer_config.kv_connector}"
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        return bool(extra_config.get("layerwise"))
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        return kv_transfer_config.kv_role == "kv_consumer"
+
+
+def _make_plain_connector(vllm: upstream.Upstream) -> type:
     base = vllm.module(BASE)
+    return type("PlainConnector", (_PlainConnectorMethods, base.KVConnectorBase_V1),
+                {"metadata_type": base.KVConnectorMetadata, "__module__": __name__})
 
-    class PlainConnector(base.KVConnectorBase_V1):
-        def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-            if kwargs:
-                raise TypeError(f"unexpected load options {sorted(kwargs)}")
 
-        def wait_for_layer_load(self, layer_name: str) -> None:
-            return None
+class _ThreadWorkerMethods:
+    """An OffloadingWorker copying on a thread per job; `result_type` is vLLM's TransferResult."""
 
-        def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-            return None
+    result_type: type
 
-        def wait_for_save(self) -> None:
-            return None
+    def __init__(self, kv_caches: Any) -> None:
+        self.device = [t.tensor for t in kv_caches.tensors]
+        self.host = [torch.zeros(HOST_BLOCKS, t.shape[1], dtype=torch.int8) for t in self.device]
+        self.submitted: list[tuple[str, int]] = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self.lose: set[int] = set()
+        self.waited: list[set[int]] = []
+        self._finished: list[Any] = []
+        self._threads: dict[int, threading.Thread] = {}
+        self._lock = threading.Lock()
 
-        def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-            return max(0, 32 - num_computed_tokens), False
+    def _copy(self, job_id: int, sources: list[Any], targets: list[Any], src: Any, dst: Any) -> None:
+        def run() -> None:
+            assert self.gate.wait(30)
+            for source, target in zip(sources, targets):
+                target[torch.from_numpy(dst.block_ids).long()] = source[torch.from_numpy(src.block_ids).long()]
+            with self._lock:
+                if job_id not in self.lose:
+                    self._finished.append(self.result_type(job_id=job_id, success=True))
+        self._threads[job_id] = threading.Thread(target=run, daemon=True)
+        self._threads[job_id].start()
 
-        def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-            return None
+    def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
+        self.submitted.append(("store", job_id))
+        self._copy(job_id, self.device, self.host, src_spec, dst_spec)
+        return True
 
-        def build_connector_meta(self, scheduler_output: Any) -> Any:
-            return base.KVConnectorMetadata()
+    def submit_load(self, job_id: int, src_spec: Any, dst_spec: Any, expedited: bool = False) -> bool:
+        self.submitted.append(("load", job_id))
+        self._copy(job_id, self.host, self.device, src_spec, dst_spec)
+        return True
 
-        def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, Any]:
-            raise LookupError(f"PlainConnector does not know request {request.request_id!r}")
+    def get_finished(self) -> list[Any]:
+        with self._lock:
+            finished, self._finished = self._finished, []
+        return finished
 
-        @classmethod
-        def get_required_kvcache_layout(cls, vllm_config: Any) -> str:
-            return f"PLAIN-{vllm_config.kv_transfer_config.kv_connector}"
-
-        @classmethod
-        def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-            return bool(extra_config.get("layerwise"))
-
-        @classmethod
-        def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
-            return kv_transfer_config.kv_role == "kv_consumer"
-
-    return PlainConnector
+    def wait(self, job_ids: set[int]) -> None:
+        self.waited.append(set(job_ids))
+        for job_id in job_ids:
+            self._threads[job_id].join()
 
 
 def _make_spec(vllm: upstream.Upstream) -> type:
     base = vllm.module("vllm.v1.kv_offload.base")
+    worker_type = type("ThreadOffloadingWorker", (_ThreadWorkerMethods, base.OffloadingWorker),
+                       {"result_type": base.TransferResult})
 
-    class ThreadOffloadingWorker(base.OffloadingWorker):
-        def __init__(self, kv_caches: Any) -> None:
-            self.device = [t.tensor for t in kv_caches.tensors]
-            self.host = [torch.zeros(HOST_BLOCKS, t.shape[1], dtype=torch.int8) for t in self.device]
-            self.submitted: list[tuple[str, int]] = []
-            self.gate = threading.Event()
-            self.gate.set()
-            self.lose: set[int] = set()
-            self.waited: list[set[int]] = []
-            self._finished: list[Any] = []
-            self._threads: dict[int, threading.Thread] = {}
-            self._lock = threading.Lock()
+    def get_worker(self: Any, kv_caches: Any) -> Any:
+        if self._worker is None:
+            self._worker = worker_type(kv_caches)
+        return self._worker
 
-        def _copy(self, job_id: int, sources: list[Any], targets: list[Any], src: Any, dst: Any) -> None:
-            def run() -> None:
-                assert self.gate.wait(30)
-                for source, target in zip(sources, targets):
-                    target[torch.from_numpy(dst.block_ids).long()] = source[torch.from_numpy(src.block_ids).long()]
-                with self._lock:
-                    if job_id not in self.lose:
-                        self._finished.append(base.TransferResult(job_id=job_id, success=True))
-            self._threads[job_id] = threading.Thread(target=run, daemon=True)
-            self._threads[job_id].start()
-
-        def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
-            self.submitted.append(("store", job_id))
-            self._copy(job_id, self.device, self.host, src_spec, dst_spec)
-            return True
-
-        def submit_load(self, job_id: int, src_spec: Any, dst_spec: Any, expedited: bool = False) -> bool:
-            self.submitted.append(("load", job_id))
-            self._copy(job_id, self.host, self.device, src_spec, dst_spec)
-            return True
-
-        def get_finished(self) -> list[Any]:
-            with self._lock:
-                finished, self._finished = self._finished, []
-            return finished
-
-        def wait(self, job_ids: set[int]) -> None:
-            self.waited.append(set(job_ids))
-            for job_id in job_ids:
-                self._threads[job_id].join()
-
-    class ThreadOffloadingSpec(vllm.attr("vllm.v1.kv_offload.cpu.spec:CPUOffloadingSpec")):
-        def get_worker(self, kv_caches: Any) -> Any:
-            if self._worker is None:
-                self._worker = ThreadOffloadingWorker(kv_caches)
-            return self._worker
-
-    return ThreadOffloadingSpec
+    return type("ThreadOffloadingSpec", (vllm.attr("vllm.v1.kv_offload.cpu.spec:CPUOffloadingSpec"),),
+                {"get_worker": get_worker, "__module__": __name__})
 
 
 class Rig:
@@ -284,130 +290,3 @@ class Rig:
     def close(self) -> None:
         self.connector.shutdown()
         self._undo()
-
-
-# -----------------------------------------------------------------------------------------------------------
-# PD: the real NIXL scheduler halves, and a worker that performs the NIXL read on a thread
-# -----------------------------------------------------------------------------------------------------------
-
-NIXL_META = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata"
-# What the prefill node's GPU blocks hold, readable by the decode node: (remote engine id, block id) -> value.
-REMOTE_BLOCKS: dict[tuple[str, int], float] = {}
-
-
-def _make_simulated_nixl_worker(vllm: upstream.Upstream) -> type:
-    """The worker half NIXL would be: reads the blocks the real NIXL scheduler put in `reqs_to_recv` (its
-    real metadata) from the prefill node's memory (REMOTE_BLOCKS), on a thread, into the registered caches,
-    and reports them in finished_recving (failed_recving for a block it cannot read)."""
-    base = vllm.module(BASE)
-    nixl = vllm.module(NIXL_META)
-
-    class SimulatedNixlWorker(base.KVConnectorBase_V1, base.SupportsHMA):
-        def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
-            super().__init__(vllm_config, role, kv_cache_config)
-            self.caches: dict[str, torch.Tensor] = {}
-            self.gate = threading.Event()
-            self.gate.set()
-            self.lose: set[str] = set()
-            self._done: set[str] = set()
-            self._failed: set[str] = set()
-            self._lock = threading.Lock()
-
-        def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-            self.caches = kv_caches
-
-        def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-            metadata = self._get_connector_metadata()
-            assert isinstance(metadata, nixl.NixlConnectorMetadata)
-            for request_id, request in metadata.reqs_to_recv.items():
-                threading.Thread(target=self._read, args=(request_id, request), daemon=True).start()
-
-        def _read(self, request_id: str, request: Any) -> None:
-            assert self.gate.wait(30)
-            read = True
-            for local_group, remote_group in zip(request.local_block_ids, request.remote.block_ids):
-                for local, remote in zip(local_group, remote_group):
-                    value = REMOTE_BLOCKS.get((request.remote.engine_id, remote))
-                    read = read and value is not None
-                    for cache in self.caches.values():
-                        cache[local] = math.nan if value is None else value
-            if request_id not in self.lose:
-                with self._lock:
-                    (self._done if read else self._failed).add(request_id)
-
-        def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
-            with self._lock:
-                done, failed, self._done, self._failed = self._done, self._failed, set(), set()
-            return base.KVConnectorTransferResults(finished_recving=done | failed, failed_recving=failed)
-
-        def wait_for_layer_load(self, layer_name: str) -> None:
-            return None
-
-        def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-            return None
-
-        def wait_for_save(self) -> None:
-            return None
-
-        def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-            return 0, False
-
-        def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-            return None
-
-        def build_connector_meta(self, scheduler_output: Any) -> Any:
-            return nixl.NixlConnectorMetadata()
-
-        def request_finished_all_groups(self, request: Any, block_ids: Any) -> tuple[bool, Any]:
-            return False, None
-
-    return SimulatedNixlWorker
-
-
-def nixl_child(role: str) -> dict[str, Any]:
-    return {"kv_connector": "NixlConnector", "kv_role": role}
-
-
-def simulated_worker_child() -> dict[str, Any]:
-    return {"kv_connector": "SimulatedNixlWorker", "kv_connector_module_path": __name__, "kv_role": "kv_consumer"}
-
-
-def finished_prefill(vllm: upstream.Upstream, request_id: str, num_tokens: int = 32) -> Any:
-    """A request as the prefill node's scheduler hands it to request_finished (duck-typed vLLM Request)."""
-    status = vllm.attr("vllm.v1.request:RequestStatus").FINISHED_LENGTH_CAPPED
-    return types.SimpleNamespace(request_id=request_id, kv_transfer_params={"do_remote_decode": True},
-                                 status=status, num_computed_tokens=num_tokens,
-                                 prompt_token_ids=list(range(num_tokens)), num_prompt_tokens=num_tokens)
-
-
-def decode_request(request_id: str, kv_transfer_params: dict[str, Any], num_tokens: int = 32) -> Any:
-    return types.SimpleNamespace(request_id=request_id, kv_transfer_params=dict(kv_transfer_params),
-                                 prompt_token_ids=list(range(num_tokens)), num_prompt_tokens=num_tokens)
-
-
-def decode_schedule(vllm: upstream.Upstream, scheduler: Any, request: Any, local_blocks: list[int]) -> Any:
-    """The decode node's scheduler on a request from the prefill node: match, allocate, build the step's
-    connector metadata, pickled and unpickled as vLLM ships it to the workers."""
-    import pickle
-
-    count, load_async = scheduler.get_num_new_matched_tokens(request, 0)
-    assert load_async and count > 0
-    blocks = vllm.attr("vllm.v1.core.kv_cache_manager:KVCacheBlocks")(
-        blocks=([vllm.attr("vllm.v1.core.kv_cache_utils:KVCacheBlock")(b) for b in local_blocks],))
-    scheduler.update_state_after_alloc(request, blocks, count)
-    metadata = scheduler.build_connector_meta(vllm.attr("vllm.v1.core.sched.output:SchedulerOutput").make_empty())
-    return pickle.loads(pickle.dumps(metadata))
-
-
-def receive_until(worker: Any, request_id: str) -> dict[str, set[Any]]:
-    seen: dict[str, set[Any]] = {"finished": set(), "failed": set(), "invalid": set()}
-
-    def done() -> bool:
-        results = worker.get_transfer_results(set())
-        seen["finished"] |= results.finished_recving
-        seen["failed"] |= results.failed_recving
-        seen["invalid"] |= worker.get_block_ids_with_load_errors()
-        return request_id in seen["finished"]
-
-    wait_until(done)
-    return seen

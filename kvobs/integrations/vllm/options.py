@@ -57,7 +57,7 @@ def read_options(extra_config: Mapping[str, Any] | None) -> Options:
 
 def _connector(value: Any) -> Mapping[str, Any]:
     if not isinstance(value, Mapping) or not isinstance(value.get("kv_connector"), str):
-        raise ValueError(
+        raise ValueError(  # noqa: TRY004 - a configuration value, refused as vLLM refuses its own
             'KVObsConnector needs kv_connector_extra_config["connector"]: the wrapped connector\'s kv_transfer_config '
             'as a dict with at least "kv_connector", e.g. {"kv_connector": "OffloadingConnector", "kv_role": '
             f'"kv_both", "kv_connector_extra_config": {{...}}}}; got {value!r}'

@@ -64,7 +64,7 @@ class WrapperMethods:
             return observe(*args)
         except _DELIBERATE:
             raise
-        except Exception as exc:  # noqa: BLE001 - observing must never break the engine
+        except Exception as exc:
             self._kvobs_transfers.obs.logger.exception("kvobs.vllm: observation failed", error=repr(exc))
             return fallback
 
@@ -177,8 +177,9 @@ class WrapperMethods:
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        from kvobs.integrations.vllm.options import read_options
         from vllm.config.kv_transfer import KVTransferConfig
+
+        from kvobs.integrations.vllm.options import read_options
 
         connector = read_options(extra_config).connector
         child_cls = children.child_class(KVTransferConfig(**{"kv_role": "kv_both", **connector}))
