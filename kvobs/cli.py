@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from urllib.parse import urlsplit
 
 FAULT_CHOICES = ("stale-signal", "nan")
-DEFAULT_DURATION_S = 10.0
+DEFAULT_DURATION_S = 7.0
 MAX_DURATION_S = 86_400.0  # one day: anything longer is a typo, not a demo
 DEFAULT_METRICS_PORT = 9464
 DEFAULT_METRICS_ADDR = "127.0.0.1"
@@ -71,11 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
     demo = sub.add_parser(
         "demo",
-        help="reproduce the NaN and hung-send incidents in a simulated engine, unguarded vs guarded",
+        help="reproduce the NaN and hung-send incidents in a simulated engine: unguarded, global lock, block lock",
         description=(
-            "Run one seeded workload on a simulated serving engine twice: unguarded (kvobs only observes) and "
-            "guarded (cache lock, early-signal buffer and NaN checks in force), then print a side-by-side "
-            "table (or --json). With --serve, keep the guarded engine running for Prometheus to scrape."
+            "Run one seeded workload on a simulated serving engine three times: unguarded (kvobs only observes), "
+            "then guarded (cache lock, early-signal buffer and NaN checks in force) with one lock for the whole "
+            "cache and with a block lock; print a side-by-side table with the block lock's targets (or --json). "
+            "With --serve, keep both guarded engines running for Prometheus to scrape."
         ),
     )
     _add_demo_arguments(demo)
@@ -85,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_demo_arguments(demo: argparse.ArgumentParser) -> None:
     demo.add_argument("--duration", type=duration, metavar="S",
-                      help=f"seconds per run (default {DEFAULT_DURATION_S:g}; the default demo takes about 23 s in "
+                      help=f"seconds per run (default {DEFAULT_DURATION_S:g}; the default demo takes about 25 s in "
                            "all); with --serve: stop after S seconds (default: run until SIGINT/SIGTERM)")
     demo.add_argument("--seed", type=seed, default=0, metavar="N", help="workload seed (default 0)")
     demo.add_argument("--metrics-port", type=port, default=DEFAULT_METRICS_PORT, metavar="P",
@@ -94,7 +95,8 @@ def _add_demo_arguments(demo: argparse.ArgumentParser) -> None:
     demo.add_argument("--metrics-addr", metavar="ADDR",
                       help=f"address of the metrics endpoint (default {DEFAULT_METRICS_ADDR})")
     demo.add_argument("--serve", action="store_true",
-                      help="keep the guarded engine running with a steady workload until SIGINT/SIGTERM")
+                      help="keep the guarded engines (global lock, block lock) running side by side with a steady "
+                           "workload until SIGINT/SIGTERM")
     demo.add_argument("--otlp-endpoint", type=otlp_url, metavar="URL",
                       help="also export spans over OTLP (default: OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT if set); "
                            "spans are recorded in-process either way, so metrics carry trace_id exemplars")

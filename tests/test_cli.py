@@ -88,13 +88,13 @@ def test_version(capsys):
 
 
 def check_schema(doc: dict) -> None:
-    """The documented --json schema (docs/demo.md), version 2."""
-    assert doc["schema_version"] == SCHEMA_VERSION == 2
+    """The documented --json schema (docs/demo.md), version 3."""
+    assert doc["schema_version"] == SCHEMA_VERSION == 3
     assert isinstance(doc["seed"], int)
     assert isinstance(doc["duration_s"], float)
     assert isinstance(doc["faults"], list)
     assert isinstance(doc["kvobs_version"], str) and isinstance(doc["lock_wait_source"], str)
-    assert set(doc["runs"]) == {"unguarded", "guarded"}
+    assert list(doc["runs"]) == ["unguarded", "global_lock", "block_lock"]
     for name, run in doc["runs"].items():
         assert run["mode"] == name
         for key, typ in (*((k, t) for k, _, t in RUN_FIELDS), *EXTRA_FIELDS):
@@ -102,8 +102,13 @@ def check_schema(doc: dict) -> None:
                 continue
             assert type(run[key]) is typ, (name, key, run[key])
         assert run["transfers_done"] == run["prefetch_done"] + run["write_back_done"] + run["send_done"]
-    assert set(doc["incidents"]) == {"unguarded_nan_incident", "unguarded_hang_incident", "guarded_clean"}
+    assert set(doc["incidents"]) == {"unguarded_nan_incident", "unguarded_hang_incident", "global_lock_clean",
+                                     "block_lock_clean"}
     assert all(isinstance(v, bool) for v in doc["incidents"].values())
+    assert list(doc["targets"]) == ["forward_lock_wait_p99", "forward_lock_wait_total", "throughput"]
+    for target in doc["targets"].values():
+        assert target["run"] == "block_lock" and target["required"] == 0.9
+        assert isinstance(target["met"], bool) and isinstance(target.get("reduction", target.get("ratio")), float)
 
 
 def test_json_summary_on_stdout_progress_on_stderr():
@@ -115,11 +120,12 @@ def test_json_summary_on_stdout_progress_on_stderr():
     doc = json.loads(proc.stdout)  # nothing but the JSON document on stdout
     check_schema(doc)
     assert (doc["seed"], doc["duration_s"], doc["faults"]) == (5, 1.5, [])
-    assert doc["incidents"]["guarded_clean"] is True
-    assert (doc["runs"]["unguarded"]["guarded"], doc["runs"]["guarded"]["guarded"]) == (False, True)
+    assert doc["incidents"]["global_lock_clean"] is doc["incidents"]["block_lock_clean"] is True
+    assert [run["guarded"] for run in doc["runs"].values()] == [False, True, True]
     assert all(doc["runs"]["unguarded"][key] is None for key in NULLABLE_FIELDS)  # it takes no lock
-    assert all(isinstance(doc["runs"]["guarded"][key], float) for key in NULLABLE_FIELDS)
-    assert "[unguarded]" in proc.stderr and "[guarded]" in proc.stderr
+    for name in ("global_lock", "block_lock"):
+        assert all(isinstance(doc["runs"][name][key], float) for key in NULLABLE_FIELDS), name
+    assert "[unguarded]" in proc.stderr and "[global_lock]" in proc.stderr and "[block_lock]" in proc.stderr
     assert "traces: recorded in-process, not exported" in proc.stderr
 
 
@@ -211,7 +217,7 @@ def test_serve_exports_every_metric_with_traffic_and_stops_cleanly(serving, stop
     for name, labels in sc.METRIC_LABELS.items():
         assert has_metric(first, name, labels), name
     engines = {s.labels["engine"] for s in samples(first) if "engine" in s.labels}
-    assert engines == {"demo-guarded"}
+    assert engines == {"demo-global-lock", "demo-block-lock"}
     for path in DEMO_PATHS:
         assert value(first, sc.TRANSFERS_TOTAL, path=path, outcome="ok") > 0, path
         assert value(first, sc.LOCK_WAIT_SECONDS + "_count", path=path) > 0, path

@@ -1,8 +1,9 @@
 """A simulated serving engine that reproduces the two incidents kvobs exists for: NaN in the storage cache
 (transfers racing the forward pass over shared KV blocks) and hung sends (early layer0 signals dropped).
 
-`kvobs demo` runs it once per configuration in `RUNS` with one seeded workload: unguarded (kvobs only observes)
-and guarded (kvobs's lock, early-signal buffer and NaN checks in force). See docs/demo.md for the model and
+`kvobs demo` runs it once per configuration in `RUNS` with one seeded workload: unguarded (kvobs only observes),
+then guarded (kvobs's lock, early-signal buffer and NaN checks in force) with a global lock and with a block
+lock. See docs/demo.md for the model and
 the summary schema.
 
 Importing this package imports torch; `import kvobs` alone never does.
@@ -12,12 +13,13 @@ from kvobs.sim.config import FAULTS, SimConfig
 from kvobs.sim.demo import DemoOptions, run_demo, serve
 from kvobs.sim.engine import SimEngine
 from kvobs.sim.report import RUN_FIELDS, SCHEMA_VERSION, format_table, summary_dict
-from kvobs.sim.runs import GUARDED, RUNS, UNGUARDED, RunSpec
+from kvobs.sim.runs import BLOCK_LOCK, GLOBAL_LOCK, RUNS, UNGUARDED, RunSpec
 from kvobs.sim.stats import RunStats
 
 __all__ = [
+    "BLOCK_LOCK",
     "FAULTS",
-    "GUARDED",
+    "GLOBAL_LOCK",
     "RUNS",
     "RUN_FIELDS",
     "SCHEMA_VERSION",

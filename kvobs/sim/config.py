@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvobs.sim.runs import GUARDED, RunSpec
+from kvobs.sim.runs import GLOBAL_LOCK, RunSpec
 
 FAULTS = ("stale-signal", "nan")
 
@@ -13,9 +13,9 @@ FAULTS = ("stale-signal", "nan")
 class SimConfig:
     """Everything a run depends on. The defaults make both incidents appear reliably in a few seconds."""
 
-    run: RunSpec = GUARDED
+    run: RunSpec = GLOBAL_LOCK
     seed: int = 0
-    engine: str = ""  # the `engine` label; default: the run's (demo-guarded, demo-unguarded)
+    engine: str = ""  # the `engine` label; default: the run's (demo-unguarded, demo-global-lock, ...)
     faults: frozenset[str] = frozenset()
     # the paged cache: [num_blocks, block_size, heads, head_dim] fp16
     num_blocks: int = 256

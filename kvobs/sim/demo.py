@@ -1,8 +1,9 @@
 """Running the simulated engine for `kvobs demo`: the runs side by side, and the `--serve` mode.
 
 Each run builds its own CollectorRegistry, so runs never mix metrics. During the comparison the metrics
-endpoint serves whichever run is active; `--serve` serves the guarded engine's registry. Progress goes to
-stderr; results go to stdout (printed by the CLI).
+endpoint serves whichever run is active. `--serve` keeps the guarded engines running side by side (a global
+lock and a block lock, one registry, told apart by their `engine` label), so the dashboards compare them
+live. Progress goes to stderr; results go to stdout (printed by the CLI).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from kvobs.sim.config import SimConfig
 from kvobs.sim.engine import SimEngine, SimulationFailed
 from kvobs.sim.progress import Progress, install_stop_handlers, status_line
 from kvobs.sim.report import run_summary, summary_dict
-from kvobs.sim.runs import RUNS, SERVED_RUN, RunSpec
+from kvobs.sim.runs import RUNS, SERVED_RUNS, RunSpec
 from kvobs.sim.tracing import DemoTracing, otlp_endpoint
 
 SERVE_SIGNAL_TTL_S = 3600.0  # a stale signal must stay pending (and age) while Prometheus watches
@@ -39,7 +40,8 @@ class DemoOptions:
     otlp_endpoint: str | None = None
     faults: frozenset[str] = frozenset()
     quiet: bool = False
-    runs: tuple[RunSpec, ...] = RUNS
+    runs: tuple[RunSpec, ...] = RUNS  # compared, one after another
+    served_runs: tuple[RunSpec, ...] = SERVED_RUNS  # kept running side by side by `serve`
     config: SimConfig = field(default_factory=SimConfig)  # the template every run starts from
 
 
@@ -80,7 +82,7 @@ def run_demo(opts: DemoOptions, *, stderr: TextIO | None = None) -> dict[str, An
         for run in opts.runs:
             engine = SimEngine(_config(opts, run), tracer_provider=tracing.provider)
             active.registry = engine.registry
-            _run_for(engine, opts.duration_s, progress, threading.Event())
+            _run_for([engine], opts.duration_s, progress, threading.Event())
             runs[run.name] = run_summary(engine)
     finally:
         stop_server(server)
@@ -89,23 +91,24 @@ def run_demo(opts: DemoOptions, *, stderr: TextIO | None = None) -> dict[str, An
 
 
 def serve(opts: DemoOptions, *, stderr: TextIO | None = None, stop: threading.Event | None = None) -> int:
-    """Keep the guarded engine running with a steady workload until SIGINT/SIGTERM, `stop`, or
+    """Keep the guarded engines running with a steady workload until SIGINT/SIGTERM, `stop`, or
     `opts.duration_s` seconds; the exit status."""
     stderr = stderr if stderr is not None else sys.stderr
     stop = stop if stop is not None else threading.Event()
-    config = replace(_config(opts, SERVED_RUN), signal_ttl_s=max(opts.config.signal_ttl_s, SERVE_SIGNAL_TTL_S))
+    registry = CollectorRegistry()
     tracing = DemoTracing.start(otlp_endpoint(opts.otlp_endpoint))
-    engine = SimEngine(config, tracer_provider=tracing.provider)
+    engines = [SimEngine(_serve_config(opts, run), registry=registry, tracer_provider=tracing.provider)
+               for run in opts.served_runs]
     try:
-        server = start_server(opts.metrics_port, opts.metrics_addr, engine.registry) if opts.metrics_port else None
+        server = start_server(opts.metrics_port, opts.metrics_addr, registry) if opts.metrics_port else None
     except OSError as exc:
         tracing.shutdown()
         print(f"error: cannot serve metrics on {opts.metrics_addr}:{opts.metrics_port}: {exc}", file=stderr)
         return 2
     restore = install_stop_handlers(stop)
     try:
-        _say(opts, stderr, _serving_banner(opts, config, tracing))
-        _run_for(engine, opts.duration_s, Progress(stderr, SERVE_PROGRESS_INTERVAL_S, enabled=not opts.quiet), stop)
+        _say(opts, stderr, _serving_banner(opts, engines, tracing))
+        _run_for(engines, opts.duration_s, Progress(stderr, SERVE_PROGRESS_INTERVAL_S, enabled=not opts.quiet), stop)
     except SimulationFailed as exc:
         print(f"error: {exc}", file=stderr)
         return 1
@@ -113,7 +116,8 @@ def serve(opts: DemoOptions, *, stderr: TextIO | None = None, stop: threading.Ev
         stop_server(server)
         tracing.shutdown()
         restore()
-    _say(opts, stderr, f"stopped after {engine.stats.elapsed_s:.1f} s: {status_line(engine, None)}")
+    elapsed = max(engine.stats.elapsed_s for engine in engines)
+    _say(opts, stderr, f"stopped after {elapsed:.1f} s: " + " | ".join(status_line(e, None) for e in engines))
     return 0
 
 
@@ -121,21 +125,30 @@ def _config(opts: DemoOptions, run: RunSpec) -> SimConfig:
     return replace(opts.config, run=run, seed=opts.seed, faults=opts.faults, engine="")
 
 
-def _run_for(engine: SimEngine, duration_s: float | None, progress: Progress, stop: threading.Event) -> None:
-    """Run `engine` until `duration_s` passes (None: no limit) or `stop` is set; raise if a thread crashed."""
-    engine.start()
-    progress.start(lambda: status_line(engine, duration_s))
+def _serve_config(opts: DemoOptions, run: RunSpec) -> SimConfig:
+    """A stale signal must stay pending (and age) while Prometheus watches."""
+    return replace(_config(opts, run), signal_ttl_s=max(opts.config.signal_ttl_s, SERVE_SIGNAL_TTL_S))
+
+
+def _run_for(engines: list[SimEngine], duration_s: float | None, progress: Progress, stop: threading.Event) -> None:
+    """Run `engines` until `duration_s` passes (None: no limit), `stop` is set or one of them stops; raise if a
+    thread of any crashed."""
+    for engine in engines:
+        engine.start()
+    progress.start(lambda: " | ".join(status_line(engine, duration_s) for engine in engines))
     end = time.monotonic() + duration_s if duration_s is not None else None
     try:
-        while engine.running and not stop.is_set():
+        while all(engine.running for engine in engines) and not stop.is_set():
             left = end - time.monotonic() if end is not None else POLL_S
             if left <= 0:
                 break
             stop.wait(min(POLL_S, left))
     finally:
-        engine.stop()
+        for engine in engines:
+            engine.stop()
         progress.stop()
-    engine.raise_if_failed()
+    for engine in engines:
+        engine.raise_if_failed()
 
 
 def _serve_or_warn(opts: DemoOptions, active: _ActiveRun, stderr: TextIO) -> Any:
@@ -151,12 +164,12 @@ def _serve_or_warn(opts: DemoOptions, active: _ActiveRun, stderr: TextIO) -> Any
     return server
 
 
-def _serving_banner(opts: DemoOptions, config: SimConfig, tracing: DemoTracing) -> str:
+def _serving_banner(opts: DemoOptions, engines: list[SimEngine], tracing: DemoTracing) -> str:
     where = _metrics_url(opts) if opts.metrics_port else "not served"
     faults = ", ".join(sorted(opts.faults)) or "none"
     until = f"for {opts.duration_s:g} s" if opts.duration_s is not None else "until Ctrl-C"
-    return (f"serving the guarded engine {config.engine!r} {until}: metrics {where}; "
-            f"{tracing.describe()}; faults: {faults}")
+    names = ", ".join(repr(engine.config.engine) for engine in engines)
+    return f"serving the engines {names} {until}: metrics {where}; {tracing.describe()}; faults: {faults}"
 
 
 def _metrics_url(opts: DemoOptions) -> str:

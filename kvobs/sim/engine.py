@@ -29,10 +29,12 @@ from kvobs.sim.cache import PagedKVCache
 from kvobs.sim.config import SimConfig
 from kvobs.sim.faults import StoragePoisoner, inject_stale_signal
 from kvobs.sim.forward import ForwardPass
+from kvobs.sim.lock_files import LockFiles
 from kvobs.sim.messager import BufferedSignals, CacheMessager, DroppingSignals, SignalRoute
 from kvobs.sim.messages import SendEnded
 from kvobs.sim.model_runner import LayerProgress, ModelRunner
 from kvobs.sim.prefetcher import Prefetcher
+from kvobs.sim.prefix_probe import PrefixProbe
 from kvobs.sim.send_worker import SendWorker
 from kvobs.sim.stats import RunStats
 from kvobs.sim.storage import StorageCache
@@ -68,8 +70,11 @@ class SimEngine:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.stats = RunStats(mode=c.run.name)
         self.cache = PagedKVCache(c.num_blocks, c.block_size, c.heads, c.head_dim)
+        self.lock_files = LockFiles.of(c.run)
+        self.lock = c.run.make_lock(c.num_blocks, self.lock_files.directory)
+        self.lock_files.owns(self.lock)
         self.observer = kvobs.KVObserver(
-            c.engine, lock=c.run.make_lock(), lock_timeout=c.lock_timeout_s, registry=self.registry,
+            c.engine, lock=self.lock, lock_timeout=c.lock_timeout_s, registry=self.registry,
             tracer_provider=tracer_provider, logger=logger if logger is not None else _NullLogger(),
             capacity=c.num_blocks, block_bytes=self.cache.block_bytes, block_dim=0, integrity=c.run.integrity,
         )
@@ -112,6 +117,7 @@ class SimEngine:
             stop=stop, observer=self.observer, config=c, cache=self.cache, allocator=allocator, storage=storage,
             workload=Workload.of(c), stats=stats, progress=progress, ended=ended, prefetcher=self.prefetcher,
             write_back=self.write_back, model_runner=self.model_runner, messager=self.messager,
+            prefix_probe=PrefixProbe(self.lock) if isinstance(self.lock, kvobs.BlockLock) else None,
         )
         components: dict[str, Component] = {
             "forward": self.forward, "prefetch": self.prefetcher, "write-back": self.write_back,
@@ -143,6 +149,8 @@ class SimEngine:
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
         self.stats.elapsed_s = time.monotonic() - self._t0
+        if not any(thread.is_alive() for thread in self._threads):
+            self.lock_files.remove()  # a thread still running may hold a claim: removed at exit instead
         return self.stats
 
     @property

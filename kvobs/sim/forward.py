@@ -1,12 +1,14 @@
 """The forward-pass thread: the scheduler and `execute_model`, one step at a time.
 
-Each step admits new requests into free batch slots (allocating blocks, which hold "uninitialised" memory,
-modelled as NaN), looks up their prefix in the storage cache and issues a prefetch for a hit, then computes the
-next chunk of every running prefill. Computing a block reads every earlier block of the sequence (attention),
-so NaN anywhere in the context spreads into it. The step holds the observer's cache lock, like the GPU worker
-around `execute_model` (a run without a lock takes kvobs's no-op lock). A complete prefill goes to the model
-runner and, after its registration delay, to the cache messager; when the messager hands the request back
-(sent, or aborted as hung) the scheduler frees its slot and retires it through the write-back.
+Each iteration admits new requests into free batch slots (allocating blocks, which hold "uninitialised"
+memory, modelled as NaN), looks up their prefix in the storage cache and prepares a prefetch for a hit, then
+runs one forward step over the batch: the next chunk of every running prefill the scheduler considers ready.
+Computing a block reads every earlier block of the sequence (attention), so NaN anywhere in the context
+spreads into it. The step holds the observer's cache lock over the blocks it reads and writes, like the GPU
+worker around `execute_model` (a global lock takes the whole cache whatever the claim; a run without a lock
+takes kvobs's no-op lock). A complete prefill goes to the model runner and, after its registration delay, to
+the cache messager; when the messager hands the request back (sent, or aborted as hung) the scheduler frees
+its slot and retires it through the write-back.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 import kvobs
+from kvobs import semconv as sc
 from kvobs.sim.allocator import BlockAllocator, OutOfBlocks
 from kvobs.sim.cache import PagedKVCache
 from kvobs.sim.config import SimConfig
@@ -24,6 +27,7 @@ from kvobs.sim.messager import CacheMessager
 from kvobs.sim.messages import PrefetchTask, Registration, SendEnded
 from kvobs.sim.model_runner import LayerProgress, ModelRunner
 from kvobs.sim.prefetcher import Prefetcher
+from kvobs.sim.prefix_probe import PrefixProbe
 from kvobs.sim.stats import RunStats
 from kvobs.sim.storage import StorageCache
 from kvobs.sim.worker import drain
@@ -49,43 +53,42 @@ class ForwardPass:
     write_back: WriteBack
     model_runner: ModelRunner
     messager: CacheMessager
+    prefix_probe: PrefixProbe | None = None  # a block lock's: skip prefills whose prefix is still claimed
     running: list[Request] = field(default_factory=list, init=False)
     _next_request: Request | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
-        # like the GPU worker's `execute_model`; its wait shows as kvobs_lock_wait_seconds{path="forward"}
-        self.execute_model = self.observer.locked("forward")(self._execute_model)
         self.free_slots = list(range(self.config.num_slots - 1, -1, -1))
 
     def run(self) -> None:
         while not self.stop.is_set():
             for ended in drain(self.ended):
                 self._retire(ended)
-            issued = self._step()
-            if issued is None:
-                continue
+            issued = self._admit()
+            self._step()
             for task in issued:
                 self.prefetcher.put(task)
             self._advance()
             time.sleep(self.config.step_gap_s)
 
-    def _step(self) -> list[PrefetchTask] | None:
-        """One forward step under the cache lock: the prefetches it issued, or None if the lock timed out."""
+    def _step(self) -> None:
+        """One forward step over the ready prefills, holding the cache lock on the blocks it touches. Its wait
+        shows as kvobs_lock_wait_seconds{path="forward"}."""
+        batch = self._ready()
+        if not batch:  # nothing to compute: the GPU idles a step, no lock taken
+            time.sleep(self.config.step_s)
+            return
+        blocks = _touched_blocks(batch, self.config.chunk_blocks)
+        called_at = time.perf_counter()
         try:
-            issued = self.execute_model(time.perf_counter())
+            with self.observer.hold(sc.HOLDER_FORWARD, block_ids=blocks):
+                self.stats.forward_waited(time.perf_counter() - called_at)
+                self._compute(batch)
+                time.sleep(self.config.step_s)
         except kvobs.LockTimeout:
             self.stats.add(lock_timeouts=1)
-            return None
+            return
         self.stats.add(forward_steps=1)
-        return issued
-
-    def _execute_model(self, called_at: float) -> list[PrefetchTask]:
-        """The step's work, lock held: admissions, one chunk per prefill, the rest of the step's GPU time."""
-        self.stats.forward_lock_waits.append(time.perf_counter() - called_at)
-        issued = self._admit()
-        self._compute()
-        time.sleep(self.config.step_s)
-        return issued
 
     def _admit(self) -> list[PrefetchTask]:
         """Fill free slots: allocate blocks ("uninitialised": NaN), find a prefix hit, prepare its prefetch."""
@@ -115,17 +118,42 @@ class ForwardPass:
             self._next_request = self.workload.next_request()
         return self._next_request
 
-    def _compute(self) -> None:
-        """One chunk of every running prefill whose prefetch (if any) has been issued."""
-        for req in self.running:
-            task = req.prefetch
-            if task is not None:
-                if task.failed:  # the NaN check refused the prefix: recompute it as a miss
-                    req.prefetch = None
-                    req.computed = 0
-                    req.recomputes += 1
-                elif not task.started.is_set():
-                    continue
+    def _ready(self) -> list[Request]:
+        """The prefills this step computes a chunk of: every one whose prefix (if any) the engine considers
+        loaded and that has blocks left (a refused prefix is noticed even when nothing else is left)."""
+        return [req for req in self.running if self._prefix_ready(req) and req.computed < req.num_blocks]
+
+    def _prefix_ready(self, req: Request) -> bool:
+        """A prefetch that has started counts as loaded (the engine's belief); with a prefix probe, only once
+        its blocks are no longer claimed. A refused prefetch is recomputed as a miss."""
+        task = req.prefetch
+        if task is None:
+            return True
+        if task.failed:
+            req.prefetch = None
+            req.computed = 0
+            req.recomputes += 1
+            return True
+        if req.prefix_free:
+            return True
+        if not task.started.is_set():
+            return False
+        if self.prefix_probe is not None and not self._probe(task.gpu_block_ids):
+            return False
+        req.prefix_free = True
+        return True
+
+    def _probe(self, block_ids: list[int]) -> bool:
+        """Ask the block lock whether the prefix is free; timed apart from the step's own lock wait."""
+        assert self.prefix_probe is not None
+        started = time.perf_counter()
+        free = self.prefix_probe.free(block_ids)
+        self.stats.probed(time.perf_counter() - started, free)
+        return free
+
+    def _compute(self, batch: list[Request]) -> None:
+        """One chunk of every prefill in the batch."""
+        for req in batch:
             end = min(req.computed + self.config.chunk_blocks, req.num_blocks)
             for j in range(req.computed, end):
                 self.cache.compute_block(req.gpu_block_ids[j], req.keys[j], req.gpu_block_ids[:j])
@@ -152,6 +180,12 @@ class ForwardPass:
         self.progress.clear(req.slot)
         self.free_slots.append(req.slot)
         self.write_back.retire(req)
+
+
+def _touched_blocks(batch: list[Request], chunk_blocks: int) -> list[int]:
+    """The blocks a step reads (the context) and writes (the next chunk): each prefill's blocks up to the end
+    of its chunk. One exclusive claim covers both, as a holder's claim has one mode."""
+    return sorted(b for req in batch for b in req.gpu_block_ids[: min(req.computed + chunk_blocks, req.num_blocks)])
 
 
 def _prefill_complete(req: Request) -> bool:

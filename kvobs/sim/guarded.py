@@ -1,8 +1,9 @@
 """The engine threads that move KV blocks on a kvobs-guarded path (prefetch, write-back, send).
 
-Each decorates its copy method per instance (every run has its own observer) with the same specs a user
-writes at class level, e.g.
-`@obs.prefetch(keys="task.keys", block_ids="task.gpu_block_ids", sync="is_sync", cache="self.gpu_cache")`.
+The prefetch and send threads decorate their copy method per instance (every run has its own observer) with
+the same specs a user writes at class level, e.g.
+`@obs.prefetch(keys="task.keys", block_ids="task.gpu_block_ids", sync="is_sync", cache="self.gpu_cache")`;
+the write-back thread begins and completes its transfers itself (`obs.begin`, `t.complete`).
 """
 
 from __future__ import annotations
@@ -17,8 +18,6 @@ import torch
 import kvobs
 from kvobs.sim.stats import RunStats
 from kvobs.sim.worker import Item, QueueWorker
-
-STORAGE_TASK_SPECS = dict(keys="task.keys", block_ids="task.gpu_block_ids", sync="is_sync", cache="self.gpu_cache")
 
 
 @dataclass(eq=False, kw_only=True)

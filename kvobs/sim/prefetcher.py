@@ -2,8 +2,9 @@
 
 The copy goes block by block with a short sleep per block: a wide race window, on purpose. The forward pass
 waits only until the copy has *started* (the engine believes an issued, synchronous copy is as good as done):
-unguarded it then reads blocks the copy has not reached yet; guarded the copy holds the cache lock, so the
-forward step waits for it.
+unguarded it then reads blocks the copy has not reached yet; guarded the copy holds the cache lock (exclusive
+claims of its blocks under a block lock), so the forward step waits for it, or, under a block lock, leaves
+the request for a later step (prefix_probe.py).
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ from dataclasses import dataclass
 
 import kvobs
 from kvobs.sim.cache import nan_blocks
-from kvobs.sim.guarded import STORAGE_TASK_SPECS, TransferWorker
+from kvobs.sim.guarded import TransferWorker
 from kvobs.sim.messages import PrefetchTask
 from kvobs.sim.storage import StorageCache
+
+PREFETCH_SPECS = dict(keys="task.keys", block_ids="task.gpu_block_ids", sync="is_sync", cache="self.gpu_cache")
 
 
 @dataclass(eq=False, kw_only=True)
@@ -27,7 +30,7 @@ class Prefetcher(TransferWorker[PrefetchTask]):
 
     def __post_init__(self) -> None:
         self.issue_prefetch_storage_task = self.guarded(
-            self.observer.prefetch(**STORAGE_TASK_SPECS), type(self)._copy_in)
+            self.observer.prefetch(**PREFETCH_SPECS), type(self)._copy_in)
 
     def _copy_in(self, task: PrefetchTask, is_sync: bool = True) -> int:
         """One block at a time from a slow host buffer: the race window."""

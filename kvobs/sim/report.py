@@ -15,8 +15,11 @@ from prometheus_client import CollectorRegistry
 from kvobs import __version__
 from kvobs import semconv as sc
 from kvobs.sim.runs import RUNS, RunSpec
+from kvobs.sim.targets import targets
 
-SCHEMA_VERSION = 2  # 2: lock waits are null where nothing was measured (1 reported interpolated noise)
+# 3: runs unguarded | global_lock | block_lock (was unguarded | guarded); `<run>_clean` also requires 0 stale
+#    blocks; `targets`. 2: lock waits are null where nothing was measured (1 reported interpolated noise).
+SCHEMA_VERSION = 3
 
 # The fields every run carries, in table order: (key, table label, type).
 RUN_FIELDS: tuple[tuple[str, str, type], ...] = (
@@ -24,8 +27,11 @@ RUN_FIELDS: tuple[tuple[str, str, type], ...] = (
     ("nan_blocks_served_to_prefix_hits", "NaN blocks served to prefix hits", int),
     ("lost_layer0_signals", "lost layer0 signals", int),
     ("hung_sends", "hung sends", int),
+    ("stale_blocks_written_to_storage", "stale blocks written to storage", int),
     ("lock_wait_p50_s", "lock wait p50 (transfers)", float),
     ("lock_wait_p99_s", "lock wait p99 (transfers)", float),
+    ("forward_lock_wait_p99_s", "forward-pass lock wait p99", float),
+    ("forward_lock_wait_total_s", "forward-pass lock wait total", float),
     ("transfers_done", "transfers done", int),
     ("throughput_per_s", "throughput (requests/s)", float),
 )
@@ -36,7 +42,6 @@ EXTRA_FIELDS: tuple[tuple[str, type], ...] = (
     ("engine", str),
     ("guarded", bool),
     ("elapsed_s", float),
-    ("stale_blocks_written_to_storage", int),
     ("requests_admitted", int),
     ("requests_completed", int),
     ("requests_aborted", int),
@@ -58,17 +63,22 @@ EXTRA_FIELDS: tuple[tuple[str, type], ...] = (
     ("nan_checks_nan", int),
     ("forward_steps", int),
     ("forward_lock_wait_p50_s", float),
-    ("forward_lock_wait_p99_s", float),
+    ("forward_requests_deferred", int),
+    ("prefix_probes", int),
+    ("prefix_probe_total_s", float),
 )
 
 # Fields that are null (None; "-" in the table) where the run measured nothing: no lock taken, or no wait seen.
 NULLABLE_FIELDS = frozenset({
     "lock_wait_p50_s", "lock_wait_p99_s", "forward_lock_wait_p50_s", "forward_lock_wait_p99_s",
+    "forward_lock_wait_total_s",
 })
 
 INCIDENT_FIELDS = (
     "nan_blocks_written_to_storage", "nan_blocks_served_to_prefix_hits", "lost_layer0_signals", "hung_sends",
 )
+# What a guarded run must keep at 0: the incidents, and (with the engine-side fix) stale blocks.
+GUARDED_INVARIANTS = (*INCIDENT_FIELDS, "stale_blocks_written_to_storage")
 
 LOCK_WAIT_SOURCE = (
     "kvobs_lock_wait_seconds histogram of the run's own registry, all transfer paths together, "
@@ -149,6 +159,8 @@ def run_summary(engine: Any) -> dict[str, Any]:
         "nan_checks_nan": nan_checks(engine.registry, name),
         "forward_lock_wait_p50_s": percentile(waits, 0.5),
         "forward_lock_wait_p99_s": percentile(waits, 0.99),
+        "forward_lock_wait_total_s": round(stats.forward_lock_wait_total_s, 6) if run.takes_lock else None,
+        "prefix_probe_total_s": round(stats.prefix_probe_total_s, 6),
     }
     for key, typ in (*((k, t) for k, _, t in RUN_FIELDS), *EXTRA_FIELDS):
         if key not in out:
@@ -158,11 +170,11 @@ def run_summary(engine: Any) -> dict[str, Any]:
 
 def incidents(runs: Mapping[str, Mapping[str, Any]]) -> dict[str, bool]:
     """Per unguarded run: did it show both incidents (`<name>_nan_incident`, `<name>_hang_incident`)? Per
-    guarded run: was it free of both (`<name>_clean`)?"""
+    guarded run: was it free of both, and of stale blocks (`<name>_clean`)?"""
     out = {}
     for name, run in runs.items():
         if run["guarded"]:
-            out[f"{name}_clean"] = not any(run[k] for k in INCIDENT_FIELDS)
+            out[f"{name}_clean"] = not any(run[k] for k in GUARDED_INVARIANTS)
         else:
             out[f"{name}_nan_incident"] = (
                 run["nan_blocks_written_to_storage"] > 0 and run["nan_blocks_served_to_prefix_hits"] > 0)
@@ -183,6 +195,7 @@ def summary_dict(
         "lock_wait_source": LOCK_WAIT_SOURCE,
         "runs": {name: dict(run) for name, run in runs.items()},
         "incidents": incidents(runs),
+        "targets": targets(runs),
     }
 
 
@@ -226,6 +239,7 @@ def format_table(summary: Mapping[str, Any], specs: Iterable[RunSpec] = RUNS) ->
     lines.append("")
     for name, run in runs.items():
         lines += _run_notes(name, run, bool(summary["faults"]), summary["incidents"])
+    lines += _target_lines(summary.get("targets", {}))
     return "\n".join(lines)
 
 
@@ -238,8 +252,13 @@ def _run_notes(name: str, run: Mapping[str, Any], faults: bool, verdict: Mapping
     lines = [
         f"{name}: {run['write_back_rejected']} write-backs and {run['send_rejected']} sends refused by the NaN "
         f"check, {run['prefetch_corrupt']} prefetches refused (recomputed), {run['signals_recovered']} early "
-        f"layer0 signals recovered; forward-pass lock wait p99 {_duration(run['forward_lock_wait_p99_s'])}"
+        f"layer0 signals recovered"
     ]
+    if run["prefix_probes"]:
+        lines.append(
+            f"{name}: {run['forward_requests_deferred']} times a prefill was left for a later step because its "
+            f"prefetch still claimed its blocks ({run['prefix_probes']} looks at the lock, "
+            f"{_duration(run['prefix_probe_total_s'])} in all)")
     if faults:
         lines.append(
             f"faults ({name} run): {run['poisoned_storage_entries']} storage entries poisoned, "
@@ -247,4 +266,17 @@ def _run_notes(name: str, run: Mapping[str, Any], faults: bool, verdict: Mapping
             f"still pending at the end, {run['nan_checks_nan']} NaN check findings"
         )
     lines.append(f"{name}: " + ("no incident" if verdict.get(f"{name}_clean") else "INCIDENTS SEEN (see above)"))
+    return lines
+
+
+def _target_lines(judged: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """One line per target: the two values, the score against what is required, met or missed."""
+    lines = []
+    for name, t in judged.items():
+        field, kind = t["field"], "reduction" if "reduction" in t else "ratio"
+        values = " vs ".join(_cell(t[k], float, field) for k in ("run_value", "baseline_value"))
+        score = "-" if t[kind] is None else f"{t[kind]:.0%}"
+        need = f"{kind} >= {t['required']:.0%}"
+        verdict = {True: "met", False: "MISSED", None: "not measured"}[t["met"]]
+        lines.append(f"target {name}: {t['run']} vs {t['baseline']} {values}: {kind} {score} ({need}): {verdict}")
     return lines

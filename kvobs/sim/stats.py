@@ -21,17 +21,21 @@ COUNTERS: tuple[str, ...] = (
     "transfer_errors", "lock_timeouts",
     # signals, faults, steps
     "signals_recovered", "stale_signals_injected", "poisoned_storage_entries", "forward_steps",
+    "prefix_probes", "forward_requests_deferred",
 )
 FORWARD_WAITS_KEPT = 20_000
 
 
 class RunStats:
-    """The run's counters, its length, and the forward pass's own lock waits (the latest FORWARD_WAITS_KEPT)."""
+    """The run's counters, its length, the forward pass's own lock waits (their total, and the latest
+    FORWARD_WAITS_KEPT for percentiles), and the time its scheduler spent asking the block lock."""
 
     def __init__(self, mode: str) -> None:
         self.mode = mode
         self.elapsed_s = 0.0
         self.forward_lock_waits: deque[float] = deque(maxlen=FORWARD_WAITS_KEPT)
+        self.forward_lock_wait_total_s = 0.0
+        self.prefix_probe_total_s = 0.0
         self._counts = dict.fromkeys(COUNTERS, 0)
         self._lock = threading.Lock()
 
@@ -43,6 +47,16 @@ class RunStats:
         with self._lock:
             for name, n in counts.items():
                 self._counts[name] += n
+
+    def forward_waited(self, seconds: float) -> None:
+        """A forward step waited `seconds` for its lock (called by the forward thread only)."""
+        self.forward_lock_waits.append(seconds)
+        self.forward_lock_wait_total_s += seconds
+
+    def probed(self, seconds: float, free: bool) -> None:
+        """The scheduler asked the block lock whether a prefix was free (forward thread only)."""
+        self.prefix_probe_total_s += seconds
+        self.add(prefix_probes=1, forward_requests_deferred=0 if free else 1)
 
     def counters(self) -> dict[str, int]:
         """A consistent snapshot of every counter, plus `transfers_done` (all paths together)."""

@@ -1,11 +1,16 @@
 """The write-back thread: stores a finished request's new blocks in the storage cache, block by block.
 
+Each write-back is a transfer of kvobs's lifecycle: begun (`obs.begin`) when the thread takes the task up and
+its copy starts, which takes the lock (shared blocks under a block lock) and checks the sources; completed
+(`t.complete`) when the last block is stored; only then, with the engine-side fix, do the request's blocks
+go back to the allocator. Beginning at issue instead would hold the lock while the task waits in the queue,
+which under a global lock stalls every forward step for the whole backlog.
+
 Each block is read when its turn comes, with a short sleep per block. If the blocks were freed when the
 request finished (`free_after_write_back=False`, the unguarded run), they may already belong to a new request:
 its allocation filled them with NaN (NaN is stored under the old request's keys, and later prefix hits
 prefetch it) or its forward pass wrote its own KV (finite, but another request's: a stale block, which no NaN
-check can see). With the engine-side fix the blocks go back to the allocator only once their write-back
-completed.
+check can see).
 """
 
 from __future__ import annotations
@@ -15,9 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
+import kvobs
 from kvobs.sim.allocator import BlockAllocator
 from kvobs.sim.cache import key_values
-from kvobs.sim.guarded import STORAGE_TASK_SPECS, TransferWorker
+from kvobs.sim.guarded import TransferWorker
 from kvobs.sim.messages import WriteBackTask
 from kvobs.sim.storage import StorageCache
 from kvobs.sim.workload import Request
@@ -25,17 +31,13 @@ from kvobs.sim.workload import Request
 
 @dataclass(eq=False, kw_only=True)
 class WriteBack(TransferWorker[WriteBackTask]):
-    """GPU blocks -> storage, through `issue_write_back_storage_task` guarded by `obs.write_back(...)`."""
+    """GPU blocks -> storage, one `write_back` transfer per finished request."""
 
     storage: StorageCache
     allocator: BlockAllocator
     block_s: float  # storage write per block
     max_backlog: int  # a busy engine skips write-backs beyond this backlog
     free_after_write_back: bool
-
-    def __post_init__(self) -> None:
-        self.issue_write_back_storage_task = self.guarded(
-            self.observer.write_back(**STORAGE_TASK_SPECS), type(self)._copy_out)
 
     def retire(self, req: Request) -> None:
         """A request finished: issue the write-back of the blocks storage lacks, and free the request's blocks
@@ -51,7 +53,33 @@ class WriteBack(TransferWorker[WriteBackTask]):
         if task is None or not self.free_after_write_back:
             self.allocator.free(req.gpu_block_ids)
 
-    def _copy_out(self, task: WriteBackTask, is_sync: bool = True) -> int:
+    def handle(self, task: WriteBackTask) -> None:
+        try:
+            self._write_back(task)
+        finally:
+            if self.free_after_write_back:
+                self.allocator.free(task.owned_block_ids)
+
+    def _write_back(self, task: WriteBackTask) -> None:
+        """Begin, copy, complete. A refusal (NaN in the sources, lock timeout, bad input) stores nothing."""
+        try:
+            transfer = self.observer.begin("write_back", keys=task.keys, block_ids=task.gpu_block_ids,
+                                           cache=self.gpu_cache, request_id=task.task_id)
+        except kvobs.CorruptKVError:
+            self.stats.add(write_back_rejected=1)
+            return
+        except Exception:  # noqa: BLE001 - lock timeout, rejection: nothing stored, the engine goes on
+            self.stats.add(transfer_errors=1)
+            return
+        try:
+            stored = self._copy_out(task)
+        except BaseException as exc:
+            transfer.fail(exc)
+            raise
+        transfer.complete(stored)
+        self.stats.add(write_back_done=1)
+
+    def _copy_out(self, task: WriteBackTask) -> int:
         """One block at a time; counts what reached storage that does not belong under its key."""
         for key, block_id in zip(task.keys, task.gpu_block_ids):
             time.sleep(self.block_s)
@@ -63,17 +91,3 @@ class WriteBack(TransferWorker[WriteBackTask]):
                 # Finite, but another request's KV: the block was reused before its write-back ran.
                 self.stats.add(stale_blocks_written_to_storage=1)
         return len(task.gpu_block_ids)
-
-    def handle(self, task: WriteBackTask) -> None:
-        try:
-            result = self.issue_write_back_storage_task(task, is_sync=True)
-        except Exception:  # noqa: BLE001 - lock timeout, rejection: nothing stored, the engine goes on
-            self.stats.add(transfer_errors=1)
-        else:
-            if result is None:  # skip policy: the NaN check refused it, nothing was stored
-                self.stats.add(write_back_rejected=1)
-            else:
-                self.stats.add(write_back_done=1)
-        finally:
-            if self.free_after_write_back:
-                self.allocator.free(task.owned_block_ids)
