@@ -1,0 +1,104 @@
+"""kvobs on SGLang's HiCache: write-throughs and load-backs become transfers, checked when the data is there.
+
+In a server, two lines in the process that runs SGLang's scheduler do it (before the scheduler builds its
+cache):
+
+    obs = kvobs.KVObserver("sglang", lock=None, page_size=64)   # SGLang's --page-size
+    kvobs_sglang.instrument_hicache(obs)                        # HiCacheController, HybridCacheController
+
+This script shows it on SGLang's real HiCacheController, on CPU: an installed SGLang if there is one, else the
+SGLang 0.5.23 wheel cached by kvobs's tests (tests/upstream.py). On CPU SGLang has no host<->device copy kernel
+(it comes from the CUDA-only sgl_kernel), so this script supplies one written with torch indexing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from prometheus_client import CollectorRegistry, generate_latest
+
+import kvobs
+from kvobs.integrations import sglang as kvobs_sglang
+
+PAGE = 4
+
+
+@contextlib.contextmanager
+def sglang_modules() -> Iterator[object]:
+    """SGLang's modules: installed, or loaded from the tests' cached wheel."""
+    try:
+        import sglang.srt.managers.cache_controller  # noqa: F401
+
+        yield sys.modules["sglang"]
+        return
+    except ImportError:
+        pass
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    import upstream
+
+    engine = upstream.load("sglang", upstream.SGLANG_VERSION, packages=("sglang",),
+                           modules=upstream.SGLANG_MODULES + ("sglang.srt.mem_cache.allocator.paged",),
+                           stubs=upstream.SGLANG_STUBS, requirements=upstream.SGLANG_REQUIREMENTS,
+                           bare=("sglang",), data_prefixes=("sglang/kernels/jit/include/", "sglang/kernels/jit/csrc/"))
+    with engine.active():
+        yield engine
+
+
+def cpu_copy(src_layers, dst_layers, src_indices, dst_indices, page_size):  # noqa: ANN001 - sgl_kernel's signature
+    for src, dst in zip(src_layers, dst_layers):
+        dst[dst_indices] = src[src_indices]
+
+
+def controller_on_cpu():  # noqa: ANN201
+    from sglang.srt.managers.cache_controller import HiCacheController
+    from sglang.srt.mem_cache import memory_pool
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.pool_host import mha
+
+    if not hasattr(mha, "transfer_kv_direct"):
+        mha.transfer_kv_direct = cpu_copy
+    pool = memory_pool.MHATokenToKVPool(64, PAGE, torch.float32, 2, 4, 2, "cpu", False)
+    allocator = PagedTokenToKVPoolAllocator(64, PAGE, torch.float32, "cpu", pool, need_sort=False)
+    host = mha.MHATokenToKVPoolHost(pool.get_device_pool_infos()[0].buffer_info, 2, 0, PAGE, "layer_first",
+                                    pin_memory=False, device_capacity_tokens=pool.size, start_layer=0, end_layer=2)
+    return HiCacheController(allocator, host, PAGE, None, threading.Event(), io_backend="direct"), pool, allocator
+
+
+def take_acks(acks: list) -> None:
+    """What SGLang's radix cache does in writing_check / loading_check once a copy's event is done."""
+    while acks:
+        acks.pop(0).finish_event.synchronize()
+
+
+def main() -> None:
+    registry = CollectorRegistry()
+    obs = kvobs.KVObserver("sglang-example", lock=None, page_size=PAGE, registry=registry)
+    with sglang_modules():
+        controller, pool, allocator = controller_on_cpu()
+        undo = kvobs_sglang.instrument_hicache(obs, controller)  # or the classes: instrument_hicache(obs)
+        slots = allocator.alloc(2 * PAGE)
+        for layer in [*pool.k_buffer, *pool.v_buffer]:
+            layer[slots] = 0.5
+        host = controller.write(slots, node_id=1)  # copied to host now; its transfer ends at the ack
+        take_acks(controller.ack_write_queue)
+        destination = controller.load(host, node_id=2)  # queued; the copy runs in start_loading()
+        print(f"load-back queued into slots {destination.tolist()}, open prefetches: {obs.open.count('prefetch')}")
+        controller.start_loading()
+        take_acks(controller.ack_load_queue)
+        for layer in [*pool.k_buffer, *pool.v_buffer]:
+            layer[slots[:1]] = math.nan
+        print(f"write-back of a NaN page returned {controller.write(slots, node_id=3)}")  # not copied
+        undo()
+    for line in generate_latest(registry).decode().splitlines():
+        if line.startswith(("kvobs_transfers_total", "kvobs_nan_checks_total")) and not line.endswith(" 0.0"):
+            print(line)
+
+
+if __name__ == "__main__":
+    main()
