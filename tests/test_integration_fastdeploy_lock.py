@@ -15,12 +15,12 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
-from prometheus_client import CollectorRegistry
-
-import kvobs
 from fastdeploy_shaped.cluster import make_cluster, read_task
 from fastdeploy_shaped.ipc_signal import IPCLock
 from fastdeploy_shaped.worker_process import PaddleDisWorkerProc
+from prometheus_client import CollectorRegistry
+
+import kvobs
 from kvobs.integrations import fastdeploy as kvfd
 from kvobs.lockfile import UnsafeLockFile
 from kvobs.testing import capture
@@ -76,9 +76,8 @@ def test_kvobs_and_an_unmodified_fastdeploy_exclude_each_other(lock_dir):
     fastdeploy = FastDeployProcess(lock_dir)
     try:
         assert fastdeploy.ask("acquire")
-        with pytest.raises(kvobs.LockTimeout):
-            with obs.hold():
-                pass
+        with pytest.raises(kvobs.LockTimeout), obs.hold():
+            pass
         assert fastdeploy.ask("release")
         with obs.hold():
             assert not fastdeploy.ask("acquire", within=0.3)  # FastDeploy waits for kvobs

@@ -8,9 +8,9 @@ from contextlib import ExitStack
 
 import numpy as np
 import pytest
-
 from fastdeploy_shaped import cache_messager
 from fastdeploy_shaped.prefill import LAYERS, prefill_node, wait_until
+
 from kvobs.integrations import fastdeploy as kvfd
 from kvobs.signals import StepAlignedSignalBuffer
 from kvobs.testing import capture
@@ -131,6 +131,5 @@ def test_the_bridge_refuses_what_is_not_a_signal_buffer(stack):
 
 def test_sends_need_a_lock_that_lets_them_share(stack):
     prefill = node(stack)
-    with capture("fd-messager") as cap:  # the default ThreadLock: one transfer at a time
-        with pytest.raises(ValueError, match="lock=None"):
-            kvfd.instrument_ipc_comm_manager(prefill.messagers[0].messager["ipc"], cap.observer)
+    with capture("fd-messager") as cap, pytest.raises(ValueError, match="lock=None"):  # default ThreadLock
+        kvfd.instrument_ipc_comm_manager(prefill.messagers[0].messager["ipc"], cap.observer)

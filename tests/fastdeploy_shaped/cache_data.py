@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import List, Optional
 
 
 class CacheStatus(Enum):
@@ -19,9 +18,9 @@ class CacheStatus(Enum):
 @dataclass(frozen=True, kw_only=True)
 class CacheTask:
     task_id: str
-    keys: List[str]
-    token_ids: Optional[List[int]]
-    gpu_block_ids: List[int]
+    keys: list[str]
+    token_ids: list[int] | None
+    gpu_block_ids: list[int]
 
 
 @dataclass(frozen=True, kw_only=True)

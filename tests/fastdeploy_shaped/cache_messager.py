@@ -59,10 +59,10 @@ class CacheMessagerV1(LayerwiseSender):
         cache_v = [gpu_cache_kvs[f"value_caches_{i}_rank{rank}_device{gpu_id}"] for i in range(num_layers)]
         self.messager = {"ipc": IPCCommManager(self.rank, gpu_id, cache_k, cache_v)}
         self.gpu_id = gpu_id
-        self.cache_info = dict()
+        self.cache_info = {}
         self.rank_id = self.rank + local_data_parallel_id * self.nranks
         self.engine_cache_task_thread_lock = threading.Lock()
-        self.engine_cache_tasks = [dict() for _ in range(512)]
+        self.engine_cache_tasks = [{} for _ in range(512)]
         self.idx_cache_task_dict = {}
         self.cache_prefilled_engine_ids_queue = queue.Queue()
         self._stop = threading.Event()
@@ -93,7 +93,7 @@ class CacheMessagerV1(LayerwiseSender):
                     self.engine_worker_queue.finish_add_cache_task_barrier.wait()
                 else:
                     time.sleep(0.001)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - upstream swallows and logs
                 logger.info(f"add cache task occured error: {e!r}")
 
     def _complete_task(self, info: dict) -> None:
@@ -134,5 +134,5 @@ class CacheMessagerV1(LayerwiseSender):
                         batch_engine_signals.append((engine_idx, chuck_token_offset + current_seq_len))
                     if layer_id == 0:
                         self.cache_prefilled_engine_ids_queue.put(batch_engine_signals)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - upstream swallows and logs
                 logger.error(f"Consume signals get exception: {e!r}")

@@ -14,7 +14,7 @@ import concurrent.futures
 import logging
 import threading
 import time
-from typing import Any, List
+from typing import Any
 
 import numpy as np
 
@@ -43,9 +43,9 @@ class CacheTransferManager:
 
     # -- the storage copies ------------------------------------------------------------------------------
 
-    def _run_read_storage(self, task_id: str, token_ids: List[int], start_read_block_idx: int,
-                          k_cache_keys: List[str], v_cache_keys: List[str], k_scale_keys: List[str],
-                          v_scale_keys: List[str], gpu_block_ids: List[int], cpu_block_ids: List[int],
+    def _run_read_storage(self, task_id: str, token_ids: list[int], start_read_block_idx: int,
+                          k_cache_keys: list[str], v_cache_keys: list[str], k_scale_keys: list[str],
+                          v_scale_keys: list[str], gpu_block_ids: list[int], cpu_block_ids: list[int],
                           timeout: float):
         try:
             block_num = len(gpu_block_ids)
@@ -71,13 +71,13 @@ class CacheTransferManager:
             v_values = _swap_out(self.gpu_cache_v_tensors, gpu_block_ids)
             self.storage_backend.batch_set(k_cache_keys + v_cache_keys, k_values + v_values)
             return len(gpu_block_ids)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - upstream swallows and logs
             logger.error(f"An error occurred in _run_write_back_storage, error: {e}")
             return 0
 
     # -- the tasks, in the pool threads -------------------------------------------------------------------
 
-    def _storage_keys(self, keys: List[str]) -> tuple[List[str], List[str]]:
+    def _storage_keys(self, keys: list[str]) -> tuple[list[str], list[str]]:
         return ([f"prefix{self.key_prefix}_{key}_{self.rank}_key" for key in keys],
                 [f"prefix{self.key_prefix}_{key}_{self.rank}_value" for key in keys])
 
@@ -96,14 +96,14 @@ class CacheTransferManager:
                     valid_gpu_block_ids = self._run_read_storage(
                         task.task_id, task.token_ids, task.start_read_block_idx, k_cache_keys, v_cache_keys,
                         None, None, gpu_block_ids, cpu_block_ids, task.timeout)
-                except Exception as e:
+                except Exception as e:  # noqa: BLE001 - upstream swallows and logs
                     logger.error(f"Failed to read cache for task {task.task_id}, error: {e}")
                     valid_gpu_block_ids = []
             result = (CacheStatus.STORAGE2GPU, task.task_id, task.keys, valid_gpu_block_ids)
             self.cache_task_queue.swap_storage_to_gpu_barrier.wait()
             self.cache_task_queue.swap_storage_to_gpu_barrier.reset()
             self.cache_task_queue.put_transfer_done_signal(result)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - upstream swallows and logs
             logger.error(f"An error occurred in read_storage_task: task_id: {task.task_id}, error:{e!r}")
 
     def write_back_storage_task(self, task: WriteStorageTask):
@@ -122,7 +122,7 @@ class CacheTransferManager:
                         task.task_id, task.token_ids, match_block_num, k_cache_keys[match_block_num:],
                         v_cache_keys[match_block_num:], None, None, gpu_block_ids,
                         cpu_block_ids[match_block_num:], task.timeout)
-                except Exception as e:
+                except Exception as e:  # noqa: BLE001 - upstream swallows and logs
                     logger.error(f"Error in write back storage task: {e}")
                     gpu_block_ids = []
             result = (CacheStatus.GPU2STORAGE, task.task_id, task.keys, gpu_block_ids)
@@ -130,7 +130,7 @@ class CacheTransferManager:
             if self.rank == 0:
                 self.cache_task_queue.swap_to_storage_barrier.reset()
                 self.cache_task_queue.put_transfer_done_signal(result)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - upstream swallows and logs
             logger.error(f"An error occurred in write_back_storage_task, error: {e!r}")
 
     # -- the loop -----------------------------------------------------------------------------------------
@@ -139,7 +139,7 @@ class CacheTransferManager:
         """Hands tasks to the pools. Upstream loops `while True` and also aligns the ranks (a broadcast flag,
         barrier1/barrier3) before reading a task; the one-thread pools and their unread futures are kept."""
         while not self._stop.is_set():
-            data, read_finish = self.cache_task_queue.get_transfer_task()
+            data, _read_finish = self.cache_task_queue.get_transfer_task()
             if data is None:
                 time.sleep(0.001)
                 continue
@@ -160,7 +160,7 @@ class CacheTransferManager:
         self.write_back_storage_thread_pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _swap_into(layers: list, block_ids: List[int], blocks: list) -> None:
+def _swap_into(layers: list, block_ids: list[int], blocks: list) -> None:
     """Storage blocks ([layers, ...] each) into the per-layer GPU tensors."""
     for layer, tensor in enumerate(layers):
         dst = view(tensor)
@@ -168,5 +168,5 @@ def _swap_into(layers: list, block_ids: List[int], blocks: list) -> None:
             dst[block_id] = block[layer]
 
 
-def _swap_out(layers: list, block_ids: List[int]) -> list:
+def _swap_out(layers: list, block_ids: list[int]) -> list:
     return [np.stack([view(tensor)[block_id] for tensor in layers]) for block_id in block_ids]

@@ -3,7 +3,6 @@ send threads), the engine's worker-queue client, and the decode node's GPU cache
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from dataclasses import dataclass, field

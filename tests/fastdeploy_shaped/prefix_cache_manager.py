@@ -74,7 +74,7 @@ class PrefixCacheManager:
                 continue
             event_type = data[0]
             if event_type.value == CacheStatus.STORAGE2GPU.value:
-                task_id, hash_keys, block_ids = data[1:]
+                task_id, _hash_keys, block_ids = data[1:]
                 if task_id not in self.storage_prefetch_block_ids:
                     self.storage_prefetch_block_ids[task_id] = []
                 saved_block_ids = self.storage_prefetch_block_ids[task_id]
@@ -84,7 +84,7 @@ class PrefixCacheManager:
                     if task_id in self.task_prefetch_event:
                         self.task_prefetch_event[task_id].set()
             elif event_type.value == CacheStatus.GPU2STORAGE.value:
-                task_id, hash_keys, block_ids = data[1:]
+                task_id, _hash_keys, _block_ids = data[1:]
                 if task_id in self.task_write_back_event:
                     self.task_write_back_event[task_id].set()
 

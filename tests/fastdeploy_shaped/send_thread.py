@@ -27,7 +27,7 @@ class LayerwiseSender:
                 self.engine_worker_queue.begin_send_cache_barrier.wait()
                 ranges, token_nums = self._block_ranges(batch_engine_signals)
                 self._send_batch(batch_engine_signals, ranges, token_nums)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - upstream swallows and logs
                 logger.error(f"prefill layerwise send cache thread has exception: {e!r}")
                 time.sleep(0.01)
 
@@ -100,6 +100,6 @@ class LayerwiseSender:
                         self.messager["ipc"].write_block_by_sync(int(task["device_ids"][self.rank]))
                     self.engine_worker_queue.finish_send_cache_barrier.wait()
                     self.engine_worker_queue.put_finished_req([[task["request_id"], task["status"]]])
-                    self.engine_cache_tasks[task["current_id"]] = dict()
+                    self.engine_cache_tasks[task["current_id"]] = {}
                     del self.cache_info[task["request_id"]]
                     del self.idx_cache_task_dict[task["current_id"]]

@@ -6,11 +6,10 @@ copy kernels: what lands is visible in the Paddle tensors kvobs checks.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import numpy as np
-
-import warnings
 
 try:
     with warnings.catch_warnings():

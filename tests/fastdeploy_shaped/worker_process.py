@@ -16,7 +16,7 @@ class GpuWorker:
         self.steps: list[tuple[Any, Any]] = []
         self.during_step = None
 
-    def execute_model(self, model_forward_batch=None, num_running_requests: int = None):
+    def execute_model(self, model_forward_batch=None, num_running_requests: int | None = None):
         if self.during_step is not None:
             self.during_step()
         self.steps.append((model_forward_batch, num_running_requests))

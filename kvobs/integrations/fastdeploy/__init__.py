@@ -31,7 +31,11 @@ from kvobs.integrations.fastdeploy.pd import (
     instrument_decode_connector,
     instrument_prefill_connector,
 )
-from kvobs.integrations.fastdeploy.send import WRITE_ERROR, LaunchFailed, instrument_ipc_comm_manager
+from kvobs.integrations.fastdeploy.send import (
+    WRITE_ERROR,
+    LaunchFailed,
+    instrument_ipc_comm_manager,
+)
 from kvobs.integrations.fastdeploy.transfer import instrument_cache_transfer_manager
 from kvobs.integrations.fastdeploy.worker import instrument_worker_process
 
