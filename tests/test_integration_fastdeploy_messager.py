@@ -133,3 +133,17 @@ def test_sends_need_a_lock_that_lets_them_share(stack):
     prefill = node(stack)
     with capture("fd-messager") as cap, pytest.raises(ValueError, match="lock=None"):  # default ThreadLock
         kvfd.instrument_ipc_comm_manager(prefill.messagers[0].messager["ipc"], cap.observer)
+
+
+def test_a_registration_kvobs_cannot_place_is_logged_and_the_others_go_on(stack):
+    prefill = node(stack)
+    m = prefill.messagers[0]
+    with capture("fd-messager", lock=None) as cap:
+        buffer = cap.observer.signal_buffer()
+        stack.callback(kvfd.bridge_cache_messager(m, buffer, logger=cap.observer.logger))
+        m.cache_info.update({"ok": {"current_id": 4, "need_prefill_tokens": 8}, "no-slot": {}})
+        m.engine_worker_queue.put_finished_add_cache_task_req(["no-slot", "unknown", "ok"])
+        assert buffer.registered_slots() == {4}
+        assert prefill.server.finished_add == [["no-slot", "unknown", "ok"]]  # FastDeploy's report unchanged
+        assert [e["request_id"] for e in cap.logs if e["event"] == "kvobs.fastdeploy.register_failed"] == [
+            "no-slot", "unknown"]

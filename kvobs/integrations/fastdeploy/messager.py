@@ -133,11 +133,11 @@ class SignalBridge:
         """Tasks just registered: hand back their kept signals (an EarlySignalBuffer does it now)."""
         recovered = []
         for request_id in request_ids:
-            info = self.messager.cache_info[request_id]
+            info = self.messager.cache_info.get(request_id) or {}
             try:
                 signal = self.buffer.register(info["current_id"], info["need_prefill_tokens"])
-            except ValueError as exc:  # a slot still live: its previous task never finished here
-                self.logger.error("kvobs.fastdeploy.register_failed", error=repr(exc), request_id=request_id)
+            except (KeyError, TypeError, ValueError) as exc:  # no slot known, or still live: never finished here
+                self.logger.error("kvobs.fastdeploy.register_failed", error=repr(exc), request_id=str(request_id))
                 continue
             if signal is not None:
                 recovered.append((signal.slot, signal.tokens))
