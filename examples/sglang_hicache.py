@@ -53,12 +53,12 @@ def sglang_modules() -> Iterator[object]:
         yield engine
 
 
-def cpu_copy(src_layers, dst_layers, src_indices, dst_indices, page_size):  # noqa: ANN001 - sgl_kernel's signature
+def cpu_copy(src_layers, dst_layers, src_indices, dst_indices, page_size):
     for src, dst in zip(src_layers, dst_layers):
         dst[dst_indices] = src[src_indices]
 
 
-def controller_on_cpu():  # noqa: ANN201
+def controller_on_cpu():
     from sglang.srt.managers.cache_controller import HiCacheController
     from sglang.srt.mem_cache import memory_pool
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator

@@ -2,6 +2,8 @@
 module for the few stand-ins): loads and write-backs are transfers completed when SGLang takes their
 acknowledgement, checked when the data is there."""
 
+# ruff: noqa: F811  (the `engine` fixture imported from the support module is a parameter of the tests)
+
 from __future__ import annotations
 
 import math
@@ -9,6 +11,13 @@ from typing import Any
 
 import pytest
 import torch
+from test_integration_sglang_support import (  # noqa: F401
+    PAGE,
+    HiCacheRig,
+    engine,
+    radix_stand_in,
+    wait_until,
+)
 
 from kvobs import semconv as sc
 from kvobs.block_lock import BlockLock
@@ -17,7 +26,6 @@ from kvobs.integrations import sglang as kvobs_sglang
 from kvobs.locks import ThreadLock
 from kvobs.telemetry.recorder import TransferRecord
 from kvobs.testing import capture
-from test_integration_sglang_support import PAGE, HiCacheRig, engine, radix_stand_in, wait_until  # noqa: F401
 
 KINDS = ("plain", "hybrid")
 

@@ -2,6 +2,8 @@
 CommonKVManager status path, with a CPU transfer backend (see the support module): sends are transfers
 completed when `poll()` reports the outcome, receives are checked before decode uses them."""
 
+# ruff: noqa: F811  (the `engine` fixture imported from the support module is a parameter of the tests)
+
 from __future__ import annotations
 
 import math
@@ -10,13 +12,6 @@ from typing import Any
 
 import pytest
 import torch
-
-from kvobs import semconv as sc
-from kvobs.errors import CorruptKVError
-from kvobs.integrations import sglang as kvobs_sglang
-from kvobs.integrations.sglang.errors import CopyNotConfirmed
-from kvobs.telemetry.recorder import TransferRecord
-from kvobs.testing import capture
 from test_integration_sglang_support import (  # noqa: F401  (engine: a fixture)
     PAGE,
     ROOM,
@@ -28,6 +23,13 @@ from test_integration_sglang_support import (  # noqa: F401  (engine: a fixture)
     sender,
     wait_until,
 )
+
+from kvobs import semconv as sc
+from kvobs.errors import CorruptKVError
+from kvobs.integrations import sglang as kvobs_sglang
+from kvobs.integrations.sglang.errors import CopyNotConfirmed
+from kvobs.telemetry.recorder import TransferRecord
+from kvobs.testing import capture
 
 SOURCE_PAGES = [3, 4, 5]
 DESTINATION_PAGES = [9, 10, 11]
@@ -114,7 +116,7 @@ def test_chunks_of_one_request_are_one_trace_and_only_sent_pages_are_checked(
 def test_a_nan_send_is_not_queued_and_the_request_fails_on_both_nodes(observed: tuple[Any, Nodes],
                                                                        records: list, engine: Any,
                                                                        carries_reason: bool) -> None:
-    cap, nodes = observed
+    _, nodes = observed
     nodes.prefill.kv_status_msg_carries_reason = nodes.decode.kv_status_msg_carries_reason = carries_reason
     nodes.prefill_pool.k_buffer[1][page_rows([4])[1]] = math.inf
     assert nodes.transfer(SOURCE_PAGES) == (nodes.poll.Failed, nodes.poll.Failed)
@@ -132,7 +134,7 @@ def test_a_nan_send_is_not_queued_and_the_request_fails_on_both_nodes(observed: 
 
 
 def test_a_nan_receive_is_not_handed_to_decode(observed: tuple[Any, Nodes], records: list, engine: Any) -> None:
-    cap, nodes = observed
+    _, nodes = observed
 
     def corrupting_link(room: int, last: bool) -> None:
         nodes.decode_pool.v_buffer[0][page_rows([10])[0]] = math.nan  # the network garbled one page
@@ -149,7 +151,7 @@ def test_a_nan_receive_is_not_handed_to_decode(observed: tuple[Any, Nodes], reco
 
 
 def test_a_failed_transfer_fails_the_send_with_sglangs_reason(observed: tuple[Any, Nodes], records: list) -> None:
-    cap, nodes = observed
+    _, nodes = observed
     nodes.prefill.outcome = lambda room, last: nodes.prefill.conclude_failure(
         bootstrap_room=room, failure_reason="RDMA write failed")
     assert nodes.transfer(SOURCE_PAGES) == (nodes.poll.Failed, nodes.poll.Failed)
@@ -158,7 +160,7 @@ def test_a_failed_transfer_fails_the_send_with_sglangs_reason(observed: tuple[An
 
 
 def test_an_aborted_request_fails_its_open_sends(observed: tuple[Any, Nodes], records: list) -> None:
-    cap, nodes = observed
+    _, nodes = observed
     nodes.prefill.outcome = lambda room, last: None
     nodes.sender.send(SOURCE_PAGES)
     nodes.sender.abort()

@@ -29,7 +29,6 @@ from typing import Any
 
 import pytest
 import torch
-
 import upstream
 
 HICACHE_MODULES = (

@@ -21,11 +21,11 @@ import time
 from pathlib import Path
 
 import pytest
+import upstream
+from support import otlp_receiver
+from test_integration_sglang_support import ROOM
 
 from kvobs import semconv as sc
-from support import otlp_receiver
-import upstream
-from test_integration_sglang_support import ROOM
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCE_PAGES = [3, 4, 5]

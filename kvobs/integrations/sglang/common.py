@@ -14,7 +14,7 @@ def refuse_global_lock(obs: KVObserver) -> None:
     copy would wait for the first acknowledgement, which comes only after the scheduler moves on: a lock
     timeout inside the engine. Refused when the integration is set up, not at the first request."""
     if isinstance(obs.lock, (ThreadLock, ProcessLock)):
-        raise ValueError(
+        raise ValueError(  # noqa: TRY004 - a kvobs lock, the wrong kind for SGLang
             f"the observer's lock {obs.lock.name!r} is one lock for the whole cache, held by every transfer until "
             "SGLang acknowledges its copy; SGLang keeps many copies in flight, so they would wait on each other "
             "and time out. Build the observer with lock=None (observe and check only) or a "
@@ -36,7 +36,7 @@ class HookErrors:
         try:
             self._logger.error("kvobs.sglang: a hook failed; SGLang went on unobserved", stage=stage,
                                error=repr(exc))
-        except Exception:  # noqa: BLE001 - a broken logger must not break the engine either
+        except Exception:  # noqa: BLE001, S110 - a broken logger must not break the engine either
             pass
 
 

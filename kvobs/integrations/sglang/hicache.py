@@ -182,6 +182,8 @@ def instrument_hicache(obs: KVObserver, target: Any = None, *, cache: CacheOf | 
 
 def _controller_classes() -> list[type]:
     from sglang.srt.managers.cache_controller import HiCacheController
-    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import (
+        HybridCacheController,
+    )
 
     return [HiCacheController, HybridCacheController]

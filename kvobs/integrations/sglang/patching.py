@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import types
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Self
 
 _ORIGINAL = "__kvobs_sglang_original__"
 _MISSING = object()
@@ -37,7 +37,7 @@ class Patches:
         False (nothing done) when kvobs already wrapped that method."""
         current = getattr(target, name, None)
         if not callable(current):
-            raise AttributeError(f"{_describe(target)} has no method {name!r} to instrument")
+            raise AttributeError(f"{_describe(target)} has no method {name!r} to instrument")  # noqa: TRY004
         if getattr(current, _ORIGINAL, None) is not None:
             return False
         on_class = isinstance(target, type)
@@ -67,7 +67,7 @@ class Patches:
 
     __call__ = undo
 
-    def __enter__(self) -> Patches:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc_info: object) -> None:

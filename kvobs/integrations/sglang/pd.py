@@ -28,7 +28,11 @@ def instrument_pd(obs: KVObserver, *, cache: Any = None) -> Patches:
     None or a BlockLock (see `common.refuse_global_lock`)."""
     refuse_global_lock(obs)
     from sglang.srt.disaggregation.base.conn import KVPoll
-    from sglang.srt.disaggregation.common.conn import CommonKVManager, CommonKVReceiver, CommonKVSender
+    from sglang.srt.disaggregation.common.conn import (
+        CommonKVManager,
+        CommonKVReceiver,
+        CommonKVSender,
+    )
 
     caches = ManagerCaches(obs, cache)
     senders = Senders(obs, caches, RoomCarriers(), KVPoll)
