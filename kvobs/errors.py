@@ -2,16 +2,58 @@
 
 All of them pickle with their fields intact: engines carry exceptions across worker processes
 (`multiprocessing`, `concurrent.futures.ProcessPoolExecutor`), and an error that cannot be unpickled turns
-into a confusing failure far from its cause.
+into a confusing failure far from its cause. So an error declares its `fields` and its `message()`; the
+base class stores the fields, builds the one message argument and pickles the error from its fields.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 
 class KVObsError(Exception):
-    """Base of every error kvobs raises on purpose; `except kvobs.KVObsError` catches exactly those."""
+    """Base of every error kvobs raises on purpose; `except kvobs.KVObsError` catches exactly those.
+
+    A subclass names its constructor arguments in `fields` (a class attribute gives one a default) and
+    says what went wrong in `message()`. A subclass with no `fields` takes its arguments as a plain
+    exception does.
+    """
+
+    fields: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if not self.fields:
+            super().__init__(*args, **kwargs)
+            return
+        self.__dict__.update(self._bind(args, kwargs))
+        # One message argument: given several, OSError would read them as (errno, strerror, filename).
+        super().__init__(self.message())
+
+    def _bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The fields' values from the call's arguments, refused as a function with those parameters would."""
+        name, fields = type(self).__name__, self.fields
+        if len(args) > len(fields):
+            raise TypeError(f"{name} takes {len(fields)} arguments ({', '.join(fields)}), got {len(args)}")
+        values = dict(zip(fields, args))
+        for key, value in kwargs.items():
+            if key not in fields or key in values:
+                problem = "got multiple values for" if key in values else "has no field"
+                raise TypeError(f"{name} {problem} {key!r}")
+            values[key] = value
+        missing = [field for field in fields if field not in values and not hasattr(type(self), field)]
+        if missing:
+            raise TypeError(f"{name} missing {', '.join(map(repr, missing))}")
+        return values
+
+    def message(self) -> str:
+        """What went wrong, from the fields (for a subclass that declares them)."""
+        raise NotImplementedError
+
+    def __reduce__(self) -> str | tuple[Any, ...]:
+        if not self.fields:
+            return super().__reduce__()
+        # OSError's own reduce rebuilds from args (the message), which is not what these constructors take.
+        return type(self), tuple(getattr(self, field) for field in self.fields)
 
 
 class TransferRejected(KVObsError, ValueError):
@@ -20,45 +62,40 @@ class TransferRejected(KVObsError, ValueError):
     Raised instead of `assert`, so the guard holds under `python -O`.
     """
 
-    def __init__(self, path: str, reason: str) -> None:
-        super().__init__(f"kvobs rejected {path} transfer: {reason}")
-        self.path = path
-        self.reason = reason
+    fields = ("path", "reason")
+    path: str
+    reason: str
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return type(self), (self.path, self.reason)
+    def message(self) -> str:
+        return f"kvobs rejected {self.path} transfer: {self.reason}"
 
 
 class LockTimeout(KVObsError, TimeoutError):
     """The cache lock was not acquired in time."""
 
-    def __init__(self, lock_name: str, waited_s: float, path: str | None = None) -> None:
-        where = f" (path={path})" if path else ""
-        # One message argument: given several, OSError would read them as (errno, strerror, filename).
-        super().__init__(f"cache lock {lock_name!r} not acquired within {waited_s:.3f} s{where}")
-        self.lock_name = lock_name
-        self.waited_s = waited_s
-        self.path = path
+    fields = ("lock_name", "waited_s", "path")
+    lock_name: str
+    waited_s: float
+    path: str | None = None
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        # OSError's own reduce rebuilds from args (the message) and would not call this __init__ correctly.
-        return type(self), (self.lock_name, self.waited_s, self.path)
+    def message(self) -> str:
+        where = f" (path={self.path})" if self.path else ""
+        return f"cache lock {self.lock_name!r} not acquired within {self.waited_s:.3f} s{where}"
 
 
 class ReentrantLockError(KVObsError, RuntimeError):
     """A guarded call asked for a lock its own context already holds: waiting would only time out."""
 
-    def __init__(self, lock_name: str, path: str, holder: str) -> None:
-        super().__init__(
-            f"cache lock {lock_name!r} requested by {path} while this context already holds it for {holder}; "
-            "a guarded call must not call another guarded call on the same lock"
-        )
-        self.lock_name = lock_name
-        self.path = path
-        self.holder = holder
+    fields = ("lock_name", "path", "holder")
+    lock_name: str
+    path: str
+    holder: str
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return type(self), (self.lock_name, self.path, self.holder)
+    def message(self) -> str:
+        return (
+            f"cache lock {self.lock_name!r} requested by {self.path} while this context already holds it for "
+            f"{self.holder}; a guarded call must not call another guarded call on the same lock"
+        )
 
 
 class CorruptKVError(KVObsError, RuntimeError):
@@ -68,94 +105,91 @@ class CorruptKVError(KVObsError, RuntimeError):
     `inf_block_ids` and `checked_blocks`).
     """
 
+    fields = ("path", "result")
+    path: str
+    result: Any
     shown_ids = 8
 
-    def __init__(self, path: str, result: Any) -> None:
-        self.path = path
-        self.result = result
-        self.bad_block_ids = tuple(result.bad_block_ids)
-        shown = ", ".join(map(str, self.bad_block_ids[: self.shown_ids]))
-        more = ", ..." if len(self.bad_block_ids) > self.shown_ids else ""
-        super().__init__(
-            f"corrupt KV cache on path {path!r}: {len(self.bad_block_ids)} of {result.checked_blocks} "
-            f"checked blocks hold non-finite values ({len(result.nan_block_ids)} NaN, "
-            f"{len(result.inf_block_ids)} Inf); bad block ids: [{shown}{more}]"
-        )
+    @property
+    def bad_block_ids(self) -> tuple[int, ...]:
+        return tuple(self.result.bad_block_ids)
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return type(self), (self.path, self.result)
+    def message(self) -> str:
+        bad, result = self.bad_block_ids, self.result
+        shown = ", ".join(map(str, bad[: self.shown_ids]))
+        more = ", ..." if len(bad) > self.shown_ids else ""
+        return (
+            f"corrupt KV cache on path {self.path!r}: {len(bad)} of {result.checked_blocks} checked blocks hold "
+            f"non-finite values ({len(result.nan_block_ids)} NaN, {len(result.inf_block_ids)} Inf); "
+            f"bad block ids: [{shown}{more}]"
+        )
 
 
 class MetricNameConflict(KVObsError, ValueError):
     """The registry already holds metrics named like kvobs's; nothing of kvobs was registered on it."""
 
-    def __init__(self, detail: str) -> None:
-        self.detail = detail
-        super().__init__(
-            f"this Prometheus registry already holds metric names kvobs needs ({detail}); nothing of kvobs "
+    fields = ("detail",)
+    detail: str
+
+    def message(self) -> str:
+        return (
+            f"this Prometheus registry already holds metric names kvobs needs ({self.detail}); nothing of kvobs "
             "was registered on it: unregister those collectors, or give kvobs its own registry "
             "(KVObserver(registry=CollectorRegistry()))"
         )
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return type(self), (self.detail,)
 
 
 class DuplicateEngine(KVObsError, ValueError):
     """A second live observer asked for an engine label already used on the same registry."""
 
-    def __init__(self, engine: str) -> None:
-        self.engine = engine
-        super().__init__(
-            f"engine label {engine!r} is already used by a live kvobs observer on this registry; two observers "
-            "would share its series (and one's gauges would hide the other's): give each observer a distinct "
-            f"engine label (e.g. {engine + '-2'!r}), or drop the first observer before creating another"
-        )
+    fields = ("engine",)
+    engine: str
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return type(self), (self.engine,)
+    def message(self) -> str:
+        return (
+            f"engine label {self.engine!r} is already used by a live kvobs observer on this registry; two "
+            "observers would share its series (and one's gauges would hide the other's): give each observer a "
+            f"distinct engine label (e.g. {self.engine + '-2'!r}), or drop the first observer before creating "
+            "another"
+        )
 
 
 class MultiprocessDirError(KVObsError, ValueError):
     """PROMETHEUS_MULTIPROC_DIR does not name a directory this process can write its metric files into."""
 
-    def __init__(self, variable: str, path: str, reason: str) -> None:
-        self.variable = variable
-        self.path = path
-        self.reason = reason
-        super().__init__(
-            f"{variable}={path!r} {reason}: in multiprocess mode every worker writes its metrics there; "
-            f"create the directory (writable by this user, emptied before the workers start), or unset "
-            f"{variable} for a single process"
-        )
+    fields = ("variable", "path", "reason")
+    variable: str
+    path: str
+    reason: str
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return type(self), (self.variable, self.path, self.reason)
+    def message(self) -> str:
+        return (
+            f"{self.variable}={self.path!r} {self.reason}: in multiprocess mode every worker writes its metrics "
+            "there; create the directory (writable by this user, emptied before the workers start), or unset "
+            f"{self.variable} for a single process"
+        )
 
 
 class UnsafeLockFile(KVObsError, PermissionError):
     """A lock file or lock directory kvobs refuses to use; `reason` says why, `path` says which."""
 
-    def __init__(self, path: str, reason: str) -> None:
-        # One message argument: given several, OSError would read them as (errno, strerror, filename).
-        super().__init__(f"refusing cache lock path {path}: {reason}")
-        self.path = path
-        self.reason = reason
+    fields = ("path", "reason")
+    path: str
+    reason: str
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return type(self), (self.path, self.reason)
+    def message(self) -> str:
+        return f"refusing cache lock path {self.path}: {self.reason}"
 
 
 class InvalidLockName(KVObsError, ValueError):
     """A lock name that cannot become a lock file name (bad characters, or too long for the file system)."""
 
-    def __init__(self, name: object, reason: str) -> None:
-        super().__init__(f"invalid cache lock name {name!r}: {reason}")
-        self.name = name
-        self.reason = reason
+    fields = ("name", "reason")
+    name: object
+    reason: str
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return type(self), (self.name, self.reason)
+    def message(self) -> str:
+        return f"invalid cache lock name {self.name!r}: {self.reason}"
 
 
 class SignalBufferFull(KVObsError, RuntimeError):
@@ -165,28 +199,28 @@ class SignalBufferFull(KVObsError, RuntimeError):
     `size` its value. Reaching it means a task is never finished, or `end_step()` is never called.
     """
 
-    def __init__(self, limit: str, size: int, hint: str) -> None:
-        super().__init__(f"signal buffer full: {limit}={size} reached; {hint}")
-        self.limit = limit
-        self.size = size
-        self.hint = hint
+    fields = ("limit", "size", "hint")
+    limit: str
+    size: int
+    hint: str
 
-    def __reduce__(self) -> tuple[object, ...]:
-        return type(self), (self.limit, self.size, self.hint)
+    def message(self) -> str:
+        return f"signal buffer full: {self.limit}={self.size} reached; {self.hint}"
 
 
 class OFDUnsupported(KVObsError, OSError):
-    """This platform has no OFD locks in the layout kvobs packs (it needs 64-bit Linux >= 3.15)."""
+    """This platform has no OFD locks in the layout kvobs packs (it needs 64-bit Linux >= 3.15).
+
+    Built as an OSError is, `(errno, strerror)`, so its errno says which support is missing."""
 
 
 class SpanExportFailed(KVObsError):
     """An exporter reported FAILURE for a batch (it raises nothing itself, so this names the kind in logs)."""
 
-    def __init__(self, exporter: str, spans: int, reason: str) -> None:
-        super().__init__(f"{exporter} failed to export {spans} spans: {reason}")
-        self.exporter = exporter
-        self.spans = spans
-        self.reason = reason
+    fields = ("exporter", "spans", "reason")
+    exporter: str
+    spans: int
+    reason: str
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return type(self), (self.exporter, self.spans, self.reason)
+    def message(self) -> str:
+        return f"{self.exporter} failed to export {self.spans} spans: {self.reason}"
