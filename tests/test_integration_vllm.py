@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import types
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -310,3 +311,26 @@ def test_nothing_in_the_options_needs_more_than_json(vllm: upstream.Upstream) ->
                        "kv_connector_extra_config": config.kv_transfer_config.kv_connector_extra_config})
     assert json.loads(text)["kv_connector_extra_config"]["connector"]["kv_connector"] == "OffloadingConnector"
     assert NUM_BLOCKS == 8
+
+
+def test_the_examples_configurations_are_accepted_by_vllm(vllm: upstream.Upstream) -> None:
+    """examples/vllm_connector.py prints them for `vllm serve`; vLLM's own config and factory take them."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "vllm_connector.py"
+    spec = importlib.util.spec_from_file_location("vllm_connector_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    for child, role in ((example.OFFLOADING, "kv_both"), ({"kv_connector": "NixlConnector"}, "kv_producer")):
+        config = vllm_config(vllm, **example.kvobs_transfer_config(child, role))
+        connector = create(vllm, config, role="SCHEDULER")
+        assert type(connector.kvobs_wrapped).__name__ == ("OffloadingConnector" if role == "kv_both"
+                                                          else "NixlPullConnector")
+
+
+def test_shutdown_puts_the_offloading_workers_methods_back(vllm: upstream.Upstream) -> None:
+    rig = Rig(vllm)
+    worker = rig.register()
+    assert {"submit_load", "submit_store", "get_finished", "wait"} <= set(vars(worker))
+    rig.close()
+    assert not {"submit_load", "submit_store", "get_finished", "wait"} & set(vars(worker))

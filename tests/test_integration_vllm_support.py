@@ -43,7 +43,7 @@ def engine_label() -> str:
 def vllm_config(vllm: upstream.Upstream, **transfer: Any) -> Any:
     """A real VllmConfig; the model part is duck-typed (a real ModelConfig reads a HF model)."""
     config = vllm.attr("vllm.config:VllmConfig")(
-        kv_transfer_config=vllm.attr("vllm.config.kv_transfer:KVTransferConfig")(kv_role="kv_both", **transfer))
+        kv_transfer_config=vllm.attr("vllm.config.kv_transfer:KVTransferConfig")(**{"kv_role": "kv_both", **transfer}))
     config.model_config = types.SimpleNamespace(
         use_mla=False, get_total_num_kv_heads=lambda: 2, dtype=torch.float32, model="tiny", max_model_len=256)
     return config
