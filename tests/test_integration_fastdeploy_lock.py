@@ -56,7 +56,7 @@ class FastDeployProcess:
         self.proc = subprocess.Popen([sys.executable, str(SHAPED / "ipc_signal.py"), str(lock_dir), str(PORT)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
-    def ask(self, what: str, within: float = 10.0) -> bool:
+    def ask(self, what: str, within: float = 60.0) -> bool:
         self.proc.stdin.write(what + "\n")
         self.proc.stdin.flush()
         return self.answered(within)
@@ -81,7 +81,7 @@ def test_kvobs_and_an_unmodified_fastdeploy_exclude_each_other(lock_dir):
         assert fastdeploy.ask("release")
         with obs.hold():
             assert not fastdeploy.ask("acquire", within=0.3)  # FastDeploy waits for kvobs
-        assert fastdeploy.answered(within=10)  # and gets the lock once kvobs released it
+        assert fastdeploy.answered(within=60)  # and gets the lock once kvobs released it
     finally:
         fastdeploy.close()
 
@@ -169,7 +169,7 @@ def test_the_worker_times_out_instead_of_hanging_behind_a_stuck_holder(lock_dir)
 
 def two_ranks(stack: ExitStack, lock_dir, instrument) -> tuple:
     """Two ranks' transfer processes (threads), each with its own observer on FastDeploy's one lock file."""
-    cluster = make_cluster(2, barrier_timeout=2.0)  # upstream waits for ever; 2 s bounds the test
+    cluster = make_cluster(2, barrier_timeout=3.0)  # upstream waits for ever; 3 s bounds the test
     stack.callback(cluster.stop)
     records = []
     for rank in cluster.ranks:
@@ -191,15 +191,18 @@ def naive(rank, obs):
 def test_one_lock_held_across_the_barrier_deadlocks_the_ranks(lock_dir):
     with ExitStack() as stack:
         cluster, records = two_ranks(stack, lock_dir, naive)
-        time.sleep(3.0)  # past the lock timeout (0.5 s) and the bounded barrier (2 s)
-        assert "t" not in cluster.engine.storage_prefetch_block_ids  # no rank answered: the engine waits for ever
-        assert sorted(r.outcome for r in records) == ["ok", "timeout"]  # one rank never got the lock
+        deadline = time.monotonic() + 60  # past the lock timeout (0.5 s) and the bounded barrier (3 s)
+        while len(records) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sorted(r.outcome for r in records) == ["ok", "timeout"]  # one rank never got the lock...
+        time.sleep(0.2)
+        assert "t" not in cluster.engine.storage_prefetch_block_ids  # ...and no rank answered: the engine waits
 
 
 def test_the_lock_held_for_the_copy_only_lets_both_ranks_answer(lock_dir):
     with ExitStack() as stack:
         cluster, records = two_ranks(stack, lock_dir, kvfd.instrument_cache_transfer_manager)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60
         while len(records) < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert sorted((r.engine, r.outcome, r.blocks) for r in records) == [("fd-rank0", "ok", 2), ("fd-rank1", "ok", 2)]

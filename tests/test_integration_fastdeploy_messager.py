@@ -38,7 +38,7 @@ def bridged(stack: ExitStack, prefill, cap, buffers=None) -> None:
     prefill.settle()  # a read in progress while the bridge was installed ran without it
 
 
-def early_signal_then_registration(prefill, within: float = 10.0) -> list:
+def early_signal_then_registration(prefill, within: float = 60.0) -> list:
     prefill.start_sending()
     prefill.prefill_info("req", SLOT, SRC, TOKENS)
     prefill.run_layers(SLOT, TOKENS)  # every layer prefilled before the decode node's blocks arrive

@@ -64,7 +64,7 @@ class PrefillNode:
         begun = {m.rank_id: cache_messager.READS.get(m.rank_id, 0) for m in self.messagers}
         wait_until(lambda: all(cache_messager.READS.get(r, 0) > n for r, n in begun.items()))
 
-    def finished(self, within: float = 10.0) -> list:
+    def finished(self, within: float = 60.0) -> list:
         deadline = time.monotonic() + within
         while time.monotonic() < deadline:
             done = self.engine_queue.get_finished_req()
@@ -81,7 +81,7 @@ class PrefillNode:
         return [view(t) for t in DECODE_CACHES[(rank, DECODE_GPU)][0]]
 
 
-def wait_until(condition: Any, within: float = 10.0) -> None:
+def wait_until(condition: Any, within: float = 60.0) -> None:
     deadline = time.monotonic() + within
     while not condition():
         if time.monotonic() > deadline:
