@@ -7,6 +7,7 @@ completed when `poll()` reports the outcome, receives are checked before decode 
 from __future__ import annotations
 
 import math
+import pickle
 from collections.abc import Iterator
 from typing import Any
 
@@ -227,3 +228,9 @@ def test_the_observers_page_size_may_be_left_out(engine: Any, records: list) -> 
         undo()
     (send,) = _ended(records, sc.PATH_SEND)
     assert send.bad_block_ids == (5,) and send.blocks == 3
+
+
+def test_the_failure_kvobs_records_pickles_with_its_fields() -> None:
+    error = pickle.loads(pickle.dumps(CopyNotConfirmed(sc.PATH_SEND, "RDMA write failed")))
+    assert (type(error), error.path, error.reason) == (CopyNotConfirmed, sc.PATH_SEND, "RDMA write failed")
+    assert str(error) == "SGLang did not confirm the send copy: RDMA write failed"
