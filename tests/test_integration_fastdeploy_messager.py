@@ -4,12 +4,14 @@ the messager's loops; its IPC sends are send transfers, checked before the copy 
 
 from __future__ import annotations
 
+import pickle
 from contextlib import ExitStack
 
 import numpy as np
 import pytest
 from fastdeploy_shaped import cache_messager
 from fastdeploy_shaped.prefill import LAYERS, prefill_node, wait_until
+from fastdeploy_shaped.tensors import ids
 
 from kvobs.integrations import fastdeploy as kvfd
 from kvobs.signals import StepAlignedSignalBuffer
@@ -147,3 +149,18 @@ def test_a_registration_kvobs_cannot_place_is_logged_and_the_others_go_on(stack)
         assert prefill.server.finished_add == [["no-slot", "unknown", "ok"]]  # FastDeploy's report unchanged
         assert [e["request_id"] for e in cap.logs if e["event"] == "kvobs.fastdeploy.register_failed"] == [
             "no-slot", "unknown"]
+
+
+def test_a_launch_that_returns_an_error_code_fails_its_send(stack):
+    prefill = node(stack)
+    comm = prefill.messagers[0].messager["ipc"]
+    comm.write_cache = lambda ip, remote_gpu_id, local_block_ids, remote_block_ids, layer_idx: 1  # a failed write
+    records = []
+    with capture("fd-messager", lock=None, hooks=[records.append]) as cap:
+        undo = kvfd.instrument_ipc_comm_manager(comm, cap.observer)
+        assert comm.write_cache("0.0.0.0", 7, ids([5, 6]), ids([1, 2]), 0) == 1  # the engine sees its code
+        undo()
+    (record,) = records
+    assert (record.path, record.outcome) == ("send", "error")
+    assert pickle.loads(pickle.dumps(record.error)).args == kvfd.LaunchFailed(7, 0, 1).args
+    assert str(record.error) == "write_cache to GPU 7, layer 0, returned 1: not launched"

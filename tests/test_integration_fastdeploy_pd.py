@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import subprocess
 import sys
 import time
@@ -98,5 +99,8 @@ def test_an_error_status_fails_the_send_and_a_refused_begin_leaves_the_engine_un
         undo()
         assert "send_splitwise_tasks" not in vars(connector) and "get_finished_req" not in vars(queue)
     assert [(r.path, r.outcome) for r in records] == [("send", "rejected"), ("send", "error")]
-    assert isinstance(records[1].error, kvfd.SendFailed)
+    error = records[1].error
+    assert isinstance(error, kvfd.SendFailed) and (error.request_id, error.status) == ("a", "write cache error")
+    copy = pickle.loads(pickle.dumps(error))
+    assert (type(copy), str(copy)) == (kvfd.SendFailed, "the cache send of request 'a' ended with status 'write cache error'")
     assert any(e["event"] == "kvobs.fastdeploy.transfer_not_begun" for e in cap.logs)

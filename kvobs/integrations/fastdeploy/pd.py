@@ -25,8 +25,13 @@ from kvobs.observer import KVObserver
 TRACE_KEY = "kvobs_trace"  # in a request's `disaggregate_info`: the prefill send's W3C trace context
 
 
-class SendFailed(RuntimeError):
+class SendFailed(KVObsError, RuntimeError):
     """The prefill node's cache messagers reported an error status for the request's send."""
+
+    fields = ("request_id", "status")
+
+    def message(self) -> str:
+        return f"the cache send of request {self.request_id!r} ended with status {self.status!r}"
 
 
 def instrument_prefill_connector(connector: Any, obs: KVObserver) -> Patches:
@@ -53,7 +58,7 @@ def _finishing(obs: KVObserver, get: Callable[[], Any]) -> Callable[[], Any]:
         finished = get()
         for request_id, status, *_ in finished or ():
             if "error" in str(status):
-                obs.fail(sc.PATH_SEND, request_id, SendFailed(f"cache send of {request_id}: {status}"))
+                obs.fail(sc.PATH_SEND, request_id, SendFailed(request_id, status))
             else:
                 obs.complete(sc.PATH_SEND, request_id)
         return finished
