@@ -3,19 +3,21 @@ and returns an undo handle (call it, or `.undo()`, to restore the object exactly
 
     from kvobs.integrations import fastdeploy as kvfd
 
-    # engine process (PrefixCacheManager): storage tasks from issue to done signal
-    undo = kvfd.instrument_prefix_cache_manager(prefix_cache_manager, obs)
-    # each cache transfer process (CacheTransferManager): the storage copies, checked on its GPU tensors
+    # engine process (PrefixCacheManager): storage tasks from issue to done signal; no KV tensors there
+    engine_obs = kvobs.KVObserver("fd-engine", lock=None)
+    undo = kvfd.instrument_prefix_cache_manager(prefix_cache_manager, engine_obs)
+    # each cache transfer process and GPU worker: FastDeploy's own GPU-cache lock file, so kvobs and
+    # FastDeploy exclude each other; the storage copies are checked on the process's GPU tensors
+    obs = kvobs.KVObserver("fd-rank0", lock=kvfd.FastDeployLock(local_engine_worker_queue_port))
     kvfd.instrument_cache_transfer_manager(cache_transfer_manager, obs)
-    # each GPU worker (PaddleDisWorkerProc): FastDeploy's own GPU-cache lock, timed, around execute_model
-    obs = kvobs.KVObserver("fastdeploy-worker", lock=kvfd.FastDeployLock(port))
-    kvfd.instrument_worker_process(worker_proc, obs)
-    # prefill cache messager (CacheMessagerV1): early layer0 signals kept; IPC sends checked
-    kvfd.bridge_cache_messager(messager, obs.signal_buffer())
-    kvfd.instrument_ipc_comm_manager(messager.messager["ipc"], obs)
-    # one trace per request across prefill and decode
-    kvfd.instrument_prefill_connector(prefill_connector, obs)
-    kvfd.instrument_decode_connector(decode_connector, obs)
+    kvfd.instrument_worker_process(worker_proc, obs)  # execute_model, on tensor-parallel rank 0
+    # prefill cache messager (CacheMessagerV1): early layer0 signals kept; IPC sends checked before launch
+    msg_obs = kvobs.KVObserver("fd-messager", lock=None)  # sends stay open until their stream sync
+    kvfd.bridge_cache_messager(messager, msg_obs.signal_buffer())  # StepAlignedSignalBuffer() per TP rank
+    kvfd.instrument_ipc_comm_manager(messager.messager["ipc"], msg_obs)
+    # one trace per request across prefill and decode (engine processes)
+    kvfd.instrument_prefill_connector(prefill_splitwise_connector, engine_obs)
+    receives = kvfd.instrument_decode_connector(decode_splitwise_connector, decode_engine_obs)
 
 Nothing here imports FastDeploy or Paddle: the objects passed in are FastDeploy's.
 """
