@@ -216,80 +216,84 @@ def copy_pages(source: Any, src_pages: Any, destination: Any, dst_pages: Any) ->
         dst[page_rows(dst_pages)] = src[page_rows(src_pages)]
 
 
+class CpuBackend:
+    """The transfer-backend half of a KV manager (Mooncake's role): moves pages on a thread, concludes the room
+    through SGLang's `conclude_transfer`, and hands status frames to `deliver` instead of a ZMQ socket."""
+
+    poll: Any  # SGLang's KVPoll, set by `cpu_kv_manager`
+
+    def __init__(self, pool: Any, deliver: Callable[[list[bytes]], None] = lambda frames: None) -> None:
+        self.pool, self.deliver = pool, deliver
+        self.request_status: dict[int, int] = {}
+        self.failure_records: dict[int, str] = {}
+        self.failure_lock = threading.Lock()
+        self.transfer_infos: dict[int, Any] = {}
+        self._staging_outstanding: dict[int, int] = {}
+        self._deferred_ack_targets: dict[int, Any] = {}
+        self._deferred_ack_poisoned_rooms: set[int] = set()
+        self.req_to_decode_prefix_len: dict[int, int] = {}
+        self.prefill_response_tracker: dict[int, set[int]] = {}
+        self.required_prefill_response_num_table: dict[int, int] = {}
+        self.addr_to_rooms_tracker: defaultdict[str, set[int]] = defaultdict(set)
+        self.enable_staging, self._staging_handler = False, None
+        self.is_dummy_cp_rank = self.enable_all_cp_ranks_for_transfer = False
+        self.bootstrap_timeout = self.waiting_timeout = 300
+        self.attn_tp_rank = self.pp_rank = self.attn_cp_rank = 0
+        self.pp_size = self.attn_cp_size = 1
+        self.kv_args = types.SimpleNamespace(page_size=PAGE)
+        self.requests: list[tuple[Any, ...]] = []
+        self.destination: dict[int, tuple[Any, list[int]]] = {}  # room -> (decode pool, decode pages)
+        self.outcome: Callable[[int, bool], None] | None = None  # override: how a room's transfer ends
+        self.threads: list[threading.Thread] = []
+
+    def expect(self, room: int, decode_pool: Any, pages: list[int]) -> None:
+        """What the decode node's metadata tells the prefill: where to write, whom to tell."""
+        self.destination[room] = (decode_pool, pages)
+        endpoint, port = DECODE_ENDPOINT
+        self.transfer_infos[room] = {"decode-0": types.SimpleNamespace(endpoint=endpoint, dst_port=port,
+                                                                       is_dummy=False)}
+
+    def register_to_bootstrap(self) -> None:
+        """No bootstrap server on CPU."""
+
+    def add_transfer_request(self, room: int, kv_indices: Any, index_slice: slice, is_last: bool,
+                             **kwargs: Any) -> None:
+        self.requests.append((room, [int(p) for p in kv_indices], index_slice, is_last))
+        thread = threading.Thread(target=self._transfer, args=(room, list(kv_indices), index_slice, is_last))
+        self.threads.append(thread)
+        thread.start()
+
+    def _transfer(self, room: int, pages: list[int], index_slice: slice, is_last: bool) -> None:
+        target = self.destination.get(room)
+        if target is not None:
+            copy_pages(self.pool, pages, target[0], target[1][index_slice])
+        if not is_last:
+            return
+        if self.outcome is not None:
+            self.outcome(room, is_last)
+        else:
+            self.conclude_transfer(bootstrap_room=room, status=self.poll.Success)
+
+    def _send_multipart_locked(self, endpoint: str, parts: list[bytes], is_ipv6: bool = False) -> None:
+        self.deliver(list(parts))
+
+    def listen(self, frames: list[bytes]) -> None:
+        """The decode listener thread's body: parse a prefill status message and apply it."""
+        parsed = self.parse_kv_status_message(frames)
+        if parsed is not None:
+            room, status, rank, reason = parsed
+            self.apply_prefill_status(bootstrap_room=room, status=status, prefill_rank=rank, failure_reason=reason)
+
+    def join(self) -> None:
+        for thread in self.threads:
+            thread.join(timeout=30)
+
+
 def cpu_kv_manager(engine: upstream.Upstream) -> type:
-    """A CommonKVManager subclass that moves pages on a thread, as a transfer backend does."""
+    """A CommonKVManager subclass whose backend is `CpuBackend`."""
     common = engine.attr("sglang.srt.disaggregation.common.conn:CommonKVManager")
     poll = engine.attr("sglang.srt.disaggregation.base.conn:KVPoll")
-
-    class CpuKVManager(common):
-        def __init__(self, pool: Any, deliver: Callable[[list[bytes]], None] = lambda frames: None) -> None:
-            self.pool, self.deliver = pool, deliver
-            self.request_status: dict[int, int] = {}
-            self.failure_records: dict[int, str] = {}
-            self.failure_lock = threading.Lock()
-            self.transfer_infos: dict[int, Any] = {}
-            self._staging_outstanding: dict[int, int] = {}
-            self._deferred_ack_targets: dict[int, Any] = {}
-            self._deferred_ack_poisoned_rooms: set[int] = set()
-            self.req_to_decode_prefix_len: dict[int, int] = {}
-            self.prefill_response_tracker: dict[int, set[int]] = {}
-            self.required_prefill_response_num_table: dict[int, int] = {}
-            self.addr_to_rooms_tracker: defaultdict[str, set[int]] = defaultdict(set)
-            self.enable_staging, self._staging_handler = False, None
-            self.is_dummy_cp_rank = self.enable_all_cp_ranks_for_transfer = False
-            self.bootstrap_timeout = self.waiting_timeout = 300
-            self.attn_tp_rank = self.pp_rank = self.attn_cp_rank = 0
-            self.pp_size = self.attn_cp_size = 1
-            self.kv_args = types.SimpleNamespace(page_size=PAGE)
-            self.requests: list[tuple[Any, ...]] = []
-            self.destination: dict[int, tuple[Any, list[int]]] = {}  # room -> (decode pool, decode pages)
-            self.outcome: Callable[[int, bool], None] | None = None  # override: how a room's transfer ends
-            self.threads: list[threading.Thread] = []
-
-        def expect(self, room: int, decode_pool: Any, pages: list[int]) -> None:
-            """What the decode node's metadata tells the prefill: where to write, whom to tell."""
-            self.destination[room] = (decode_pool, pages)
-            endpoint, port = DECODE_ENDPOINT
-            self.transfer_infos[room] = {"decode-0": types.SimpleNamespace(endpoint=endpoint, dst_port=port,
-                                                                           is_dummy=False)}
-
-        def register_to_bootstrap(self) -> None:
-            """No bootstrap server on CPU."""
-
-        def add_transfer_request(self, room: int, kv_indices: Any, index_slice: slice, is_last: bool,
-                                 **kwargs: Any) -> None:
-            self.requests.append((room, [int(p) for p in kv_indices], index_slice, is_last))
-            thread = threading.Thread(target=self._transfer, args=(room, list(kv_indices), index_slice, is_last))
-            self.threads.append(thread)
-            thread.start()
-
-        def _transfer(self, room: int, pages: list[int], index_slice: slice, is_last: bool) -> None:
-            target = self.destination.get(room)
-            if target is not None:
-                copy_pages(self.pool, pages, target[0], target[1][index_slice])
-            if not is_last:
-                return
-            if self.outcome is not None:
-                self.outcome(room, is_last)
-            else:
-                self.conclude_transfer(bootstrap_room=room, status=poll.Success)
-
-        def _send_multipart_locked(self, endpoint: str, parts: list[bytes], is_ipv6: bool = False) -> None:
-            self.deliver(list(parts))
-
-        def listen(self, frames: list[bytes]) -> None:
-            """The decode listener thread's body: parse a prefill status message and apply it."""
-            parsed = self.parse_kv_status_message(frames)
-            if parsed is not None:
-                room, status, rank, reason = parsed
-                self.apply_prefill_status(bootstrap_room=room, status=status, prefill_rank=rank,
-                                          failure_reason=reason)
-
-        def join(self) -> None:
-            for thread in self.threads:
-                thread.join(timeout=30)
-
-    return CpuKVManager
+    return type("CpuKVManager", (CpuBackend, common), {"poll": poll})
 
 
 def sender(engine: upstream.Upstream, manager: Any, room: int = ROOM, pages: int = 0) -> Any:
