@@ -2,24 +2,31 @@
 
 All of them pickle with their fields intact: engines carry exceptions across worker processes
 (`multiprocessing`, `concurrent.futures.ProcessPoolExecutor`), and an error that cannot be unpickled turns
-into a confusing failure far from its cause. So an error declares its `fields` and its `message()`; the
-base class stores the fields, builds the one message argument and pickles the error from its fields.
+into a confusing failure far from its cause. So an error declares only its fields and its message; the
+base class stores the fields, builds the message and pickles the error from its fields.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, ClassVar
 
 
 class KVObsError(Exception):
     """Base of every error kvobs raises on purpose; `except kvobs.KVObsError` catches exactly those.
 
-    A subclass names its constructor arguments in `fields` (a class attribute gives one a default) and
-    says what went wrong in `message()`. A subclass with no `fields` takes its arguments as a plain
-    exception does.
+    A subclass declares its fields as annotations, in constructor order (a class attribute gives one a
+    default), and its message as a `template` over them, or in `message()` when a template cannot say it.
+    A subclass that declares no fields takes its arguments as a plain exception does.
     """
 
     fields: ClassVar[tuple[str, ...]] = ()
+    template: ClassVar[str] = ""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        own = [name for name, kind in inspect.get_annotations(cls).items() if "ClassVar" not in str(kind)]
+        cls.fields = (*cls.fields, *own)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         if not self.fields:
@@ -46,8 +53,8 @@ class KVObsError(Exception):
         return values
 
     def message(self) -> str:
-        """What went wrong, from the fields (for a subclass that declares them)."""
-        raise NotImplementedError
+        """What went wrong: the template filled in with the fields."""
+        return self.template.format_map({field: getattr(self, field) for field in self.fields})
 
     def __reduce__(self) -> str | tuple[Any, ...]:
         if not self.fields:
@@ -62,18 +69,15 @@ class TransferRejected(KVObsError, ValueError):
     Raised instead of `assert`, so the guard holds under `python -O`.
     """
 
-    fields = ("path", "reason")
     path: str
     reason: str
 
-    def message(self) -> str:
-        return f"kvobs rejected {self.path} transfer: {self.reason}"
+    template = "kvobs rejected {path} transfer: {reason}"
 
 
 class LockTimeout(KVObsError, TimeoutError):
     """The cache lock was not acquired in time."""
 
-    fields = ("lock_name", "waited_s", "path")
     lock_name: str
     waited_s: float
     path: str | None = None
@@ -86,16 +90,14 @@ class LockTimeout(KVObsError, TimeoutError):
 class ReentrantLockError(KVObsError, RuntimeError):
     """A guarded call asked for a lock its own context already holds: waiting would only time out."""
 
-    fields = ("lock_name", "path", "holder")
     lock_name: str
     path: str
     holder: str
 
-    def message(self) -> str:
-        return (
-            f"cache lock {self.lock_name!r} requested by {self.path} while this context already holds it for "
-            f"{self.holder}; a guarded call must not call another guarded call on the same lock"
-        )
+    template = (
+        "cache lock {lock_name!r} requested by {path} while this context already holds it for {holder}; "
+        "a guarded call must not call another guarded call on the same lock"
+    )
 
 
 class CorruptKVError(KVObsError, RuntimeError):
@@ -105,7 +107,6 @@ class CorruptKVError(KVObsError, RuntimeError):
     `inf_block_ids` and `checked_blocks`).
     """
 
-    fields = ("path", "result")
     path: str
     result: Any
     shown_ids = 8
@@ -128,68 +129,57 @@ class CorruptKVError(KVObsError, RuntimeError):
 class MetricNameConflict(KVObsError, ValueError):
     """The registry already holds metrics named like kvobs's; nothing of kvobs was registered on it."""
 
-    fields = ("detail",)
     detail: str
 
-    def message(self) -> str:
-        return (
-            f"this Prometheus registry already holds metric names kvobs needs ({self.detail}); nothing of kvobs "
-            "was registered on it: unregister those collectors, or give kvobs its own registry "
-            "(KVObserver(registry=CollectorRegistry()))"
-        )
+    template = (
+        "this Prometheus registry already holds metric names kvobs needs ({detail}); nothing of kvobs was "
+        "registered on it: unregister those collectors, or give kvobs its own registry "
+        "(KVObserver(registry=CollectorRegistry()))"
+    )
 
 
 class DuplicateEngine(KVObsError, ValueError):
     """A second live observer asked for an engine label already used on the same registry."""
 
-    fields = ("engine",)
     engine: str
 
-    def message(self) -> str:
-        return (
-            f"engine label {self.engine!r} is already used by a live kvobs observer on this registry; two "
-            "observers would share its series (and one's gauges would hide the other's): give each observer a "
-            f"distinct engine label (e.g. {self.engine + '-2'!r}), or drop the first observer before creating "
-            "another"
-        )
+    template = (
+        "engine label {engine!r} is already used by a live kvobs observer on this registry; two observers "
+        "would share its series (and one's gauges would hide the other's): give each observer a distinct "
+        "engine label (e.g. '{engine}-2'), or drop the first observer before creating another"
+    )
 
 
 class MultiprocessDirError(KVObsError, ValueError):
     """PROMETHEUS_MULTIPROC_DIR does not name a directory this process can write its metric files into."""
 
-    fields = ("variable", "path", "reason")
     variable: str
     path: str
     reason: str
 
-    def message(self) -> str:
-        return (
-            f"{self.variable}={self.path!r} {self.reason}: in multiprocess mode every worker writes its metrics "
-            "there; create the directory (writable by this user, emptied before the workers start), or unset "
-            f"{self.variable} for a single process"
-        )
+    template = (
+        "{variable}={path!r} {reason}: in multiprocess mode every worker writes its metrics there; create the "
+        "directory (writable by this user, emptied before the workers start), or unset {variable} for a "
+        "single process"
+    )
 
 
 class UnsafeLockFile(KVObsError, PermissionError):
     """A lock file or lock directory kvobs refuses to use; `reason` says why, `path` says which."""
 
-    fields = ("path", "reason")
     path: str
     reason: str
 
-    def message(self) -> str:
-        return f"refusing cache lock path {self.path}: {self.reason}"
+    template = "refusing cache lock path {path}: {reason}"
 
 
 class InvalidLockName(KVObsError, ValueError):
     """A lock name that cannot become a lock file name (bad characters, or too long for the file system)."""
 
-    fields = ("name", "reason")
     name: object
     reason: str
 
-    def message(self) -> str:
-        return f"invalid cache lock name {self.name!r}: {self.reason}"
+    template = "invalid cache lock name {name!r}: {reason}"
 
 
 class SignalBufferFull(KVObsError, RuntimeError):
@@ -199,13 +189,11 @@ class SignalBufferFull(KVObsError, RuntimeError):
     `size` its value. Reaching it means a task is never finished, or `end_step()` is never called.
     """
 
-    fields = ("limit", "size", "hint")
     limit: str
     size: int
     hint: str
 
-    def message(self) -> str:
-        return f"signal buffer full: {self.limit}={self.size} reached; {self.hint}"
+    template = "signal buffer full: {limit}={size} reached; {hint}"
 
 
 class OFDUnsupported(KVObsError, OSError):
@@ -217,10 +205,8 @@ class OFDUnsupported(KVObsError, OSError):
 class SpanExportFailed(KVObsError):
     """An exporter reported FAILURE for a batch (it raises nothing itself, so this names the kind in logs)."""
 
-    fields = ("exporter", "spans", "reason")
     exporter: str
     spans: int
     reason: str
 
-    def message(self) -> str:
-        return f"{self.exporter} failed to export {self.spans} spans: {self.reason}"
+    template = "{exporter} failed to export {spans} spans: {reason}"
