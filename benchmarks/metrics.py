@@ -23,7 +23,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from _timing import ns_per_op
 from kvobs import semconv as sc
-from kvobs.telemetry.metrics import EngineMetrics, MetricFamilies, PathMetrics
+from kvobs.telemetry.engine_metrics import EngineMetrics
+from kvobs.telemetry.families import MetricFamilies
+from kvobs.telemetry.path_metrics import PathMetrics
 
 OK = sc.OUTCOME_OK
 EXEMPLAR = {"trace_id": "0af7651916cd43dd8448eb211c80319c", "span_id": "b7ad6b7169203331"}

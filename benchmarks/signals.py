@@ -27,7 +27,8 @@ from prometheus_client import CollectorRegistry
 
 from kvobs import semconv as sc
 from kvobs.signals import EarlySignalBuffer, ReadySignal, SignalBufferFull, StepAlignedSignalBuffer
-from kvobs.telemetry.metrics import EngineMetrics, MetricFamilies
+from kvobs.telemetry.engine_metrics import EngineMetrics
+from kvobs.telemetry.families import MetricFamilies
 
 TARGET_RATIO = 2.0
 ENGINE = "bench"

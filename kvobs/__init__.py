@@ -4,8 +4,7 @@ The public names, nothing else. Importing kvobs changes no process-wide telemetr
 import torch.
 """
 
-__version__ = "0.1.0"
-
+from kvobs.version import __version__
 from kvobs.block_lock import BlockLock
 from kvobs.errors import CorruptKVError, KVObsError, LockTimeout, ReentrantLockError, TransferRejected
 from kvobs.guard import Guard

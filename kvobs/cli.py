@@ -63,7 +63,7 @@ def otlp_url(text: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvobs import __version__
+    from kvobs.version import __version__
 
     parser = argparse.ArgumentParser(prog="kvobs", description="Safety and observability for KV-cache transfers.")
     parser.add_argument("--version", action="version", version=f"kvobs {__version__}")

@@ -22,7 +22,8 @@ from kvobs.guard import Guard
 from kvobs.locks import CacheLock
 from kvobs.open_transfers import OpenTransfers
 from kvobs.signals import EarlySignalBuffer
-from kvobs.telemetry import metrics as tm
+from kvobs.telemetry.engine_metrics import EngineMetrics
+from kvobs.telemetry.families import MetricFamilies
 from kvobs.telemetry.failures import TelemetryFailures
 from kvobs.telemetry.logs import default_logger, level_number
 from kvobs.telemetry.recorder import Hook, Recorder
@@ -198,7 +199,7 @@ class KVObserver:
         self._holder_routes = {h: self._holder_route(h) for h in self.holders}
 
     def _engine_metrics(self, registry: CollectorRegistry | None, buckets: Iterable[float] | None) -> Any:
-        metrics = tm.EngineMetrics(tm.MetricFamilies.of(registry, buckets), self.engine, self.lock.name,
+        metrics = EngineMetrics(MetricFamilies.of(registry, buckets), self.engine, self.lock.name,
                                    logger=self.logger)
         metrics.bind_lock_held(self.lock, _held_for)
         if hasattr(self.lock, "blocks_claimed"):  # a lock that claims blocks, not the whole cache

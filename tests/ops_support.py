@@ -437,7 +437,7 @@ def exposed_series() -> dict[str, tuple[set[str], str]]:
     histogram -> `_bucket/_sum/_count` + `le`) come from the code, and checked against semconv.METRIC_LABELS.
     Every series also carries `job` and `instance` (added by Prometheus).
     """
-    from kvobs.telemetry.metrics import MetricFamilies
+    from kvobs.telemetry.families import MetricFamilies
 
     registry = CollectorRegistry()
     MetricFamilies.of(registry)

@@ -17,7 +17,8 @@ from prometheus_client.openmetrics.exposition import generate_latest as openmetr
 
 from kvobs import __version__
 from kvobs import semconv as sc
-from kvobs.telemetry import metrics as tm
+from kvobs.telemetry.engine_metrics import EngineMetrics
+from kvobs.telemetry.families import FAMILY_SPECS, MetricFamilies
 from kvobs.telemetry.accumulators import CounterFamily, GaugeFamily
 
 ENGINE, LOCK = "expo", "cache"
@@ -36,7 +37,7 @@ class Reference:
 
     def __init__(self, registry: CollectorRegistry, buckets: tuple[float, ...]) -> None:
         self.families = {}
-        for attribute, name, kind, documentation, _mode in tm._SPECS:
+        for attribute, name, kind, documentation, _mode in FAMILY_SPECS:
             labels = sc.METRIC_LABELS[name]
             if kind == "counter":
                 family = Counter(name.removesuffix("_total"), documentation, labels, registry=registry)
@@ -49,7 +50,7 @@ class Reference:
     def __getattr__(self, attribute: str):
         return self.families[attribute]
 
-    def create_children_like(self, families: tm.MetricFamilies) -> None:
+    def create_children_like(self, families: MetricFamilies) -> None:
         """Create children in kvobs's order (exposition lists series in creation order); copy the values of
         series this test does not drive (process-wide ones other tests may have counted)."""
         for attribute, family in zip(self.families, families.ordered):
@@ -77,7 +78,7 @@ class Reference:
         self.duration.labels(ENGINE, path, sc.OUTCOME_TIMEOUT).observe(waited, exemplar)
 
 
-def drive(metrics: tm.EngineMetrics, ref: Reference | None) -> None:
+def drive(metrics: EngineMetrics, ref: Reference | None) -> None:
     """The same calls on kvobs (ref None) or on the reference."""
     send, swap = sc.PATH_SEND, "swap_in"
     records = [
@@ -144,7 +145,7 @@ class Owner:
         self.value = value
 
 
-def bind_gauges(metrics: tm.EngineMetrics, ref: Reference | None, owner: Owner) -> None:
+def bind_gauges(metrics: EngineMetrics, ref: Reference | None, owner: Owner) -> None:
     if ref is None:
         metrics.bind_lock_held(owner, lambda o: o.value)
         metrics.bind_open_transfers(sc.PATH_SEND, owner, lambda o: 2, lambda o: o.value * 2)
@@ -169,7 +170,7 @@ def normalised(text: str) -> str:
 def both():
     buckets = sc.DEFAULT_LATENCY_BUCKETS
     ours = CollectorRegistry()
-    metrics = tm.EngineMetrics(tm.MetricFamilies.of(ours, buckets), ENGINE, LOCK)
+    metrics = EngineMetrics(MetricFamilies.of(ours, buckets), ENGINE, LOCK)
     owner = Owner(1.5)
     bind_gauges(metrics, None, owner)
     drive(metrics, None)
@@ -223,7 +224,7 @@ def test_created_samples_follow_prometheus_client_switch(both):
 def test_empty_families_are_exposed_like_prometheus_client():
     """A registry with kvobs's families and no observer yet: every family, with its HELP and TYPE."""
     ours = CollectorRegistry()
-    families = tm.MetricFamilies.of(ours)
+    families = MetricFamilies.of(ours)
     theirs = CollectorRegistry()
     Reference(theirs, families.buckets).create_children_like(families)
     assert normalised(generate_latest(ours).decode()) == normalised(generate_latest(theirs).decode())
@@ -233,7 +234,7 @@ def test_empty_families_are_exposed_like_prometheus_client():
 class Tally:
     """A buffer that counts privately and flushes into the counter when its gauge is read (signals do)."""
 
-    def __init__(self, metrics: tm.EngineMetrics) -> None:
+    def __init__(self, metrics: EngineMetrics) -> None:
         self.metrics, self.unflushed = metrics, 0
 
     def pending(self) -> float:
@@ -244,7 +245,7 @@ class Tally:
 
 def test_what_a_gauge_reader_flushes_is_in_the_same_scrape():
     registry = CollectorRegistry()
-    metrics = tm.EngineMetrics(tm.MetricFamilies.of(registry), "flush", "cache")
+    metrics = EngineMetrics(MetricFamilies.of(registry), "flush", "cache")
     tally = Tally(metrics)
     metrics.bind_pending_signals(tally, Tally.pending, lambda owner: 0.0)
     tally.unflushed = 5

@@ -6,7 +6,8 @@ import structlog
 from prometheus_client import CollectorRegistry
 
 from kvobs import semconv as sc
-from kvobs.telemetry import metrics as tm
+from kvobs.telemetry.engine_metrics import EngineMetrics
+from kvobs.telemetry.families import MetricFamilies
 from kvobs.telemetry.failures import EVENT_TELEMETRY_FAILED, TelemetryFailures
 
 
@@ -22,7 +23,7 @@ def errors(registry: CollectorRegistry, engine: str, stage: str) -> float:
 def test_each_failure_is_counted_and_each_kind_logged_once():
     registry = CollectorRegistry()
     logger, capture = capturing_logger()
-    metrics = tm.EngineMetrics(tm.MetricFamilies.of(registry), "fail", "cache", logger=logger)
+    metrics = EngineMetrics(MetricFamilies.of(registry), "fail", "cache", logger=logger)
     for _ in range(100):
         try:
             raise ConnectionError("collector down")
@@ -61,7 +62,7 @@ class Broken:
 
 def test_a_failing_logger_never_raises_and_is_counted_as_logging():
     registry = CollectorRegistry()
-    metrics = tm.EngineMetrics(tm.MetricFamilies.of(registry), "quiet", "cache", logger=Broken())
+    metrics = EngineMetrics(MetricFamilies.of(registry), "quiet", "cache", logger=Broken())
     metrics.count_telemetry_error("metrics", ValueError("x"))
     metrics.failures("scrape")  # outside an except block: no exception to show
     assert errors(registry, "quiet", "metrics") == 1
@@ -86,7 +87,7 @@ class Exploding:
 def test_a_reader_that_raises_shows_zero_and_is_counted_as_scrape():
     registry = CollectorRegistry()
     logger, capture = capturing_logger()
-    metrics = tm.EngineMetrics(tm.MetricFamilies.of(registry), "scrape", "cache", logger=logger)
+    metrics = EngineMetrics(MetricFamilies.of(registry), "scrape", "cache", logger=logger)
     owner = Exploding()
     metrics.bind_lock_held(owner, Exploding.read)
     assert registry.get_sample_value(sc.LOCK_HELD_SECONDS, {"engine": "scrape", "lock": "cache"}) == 0.0
@@ -97,7 +98,7 @@ def test_a_reader_that_raises_shows_zero_and_is_counted_as_scrape():
 def test_a_record_that_cannot_be_folded_in_is_counted_and_costs_no_other():
     registry = CollectorRegistry()
     logger, capture = capturing_logger()
-    metrics = tm.EngineMetrics(tm.MetricFamilies.of(registry), "bad", "cache", logger=logger)
+    metrics = EngineMetrics(MetricFamilies.of(registry), "bad", "cache", logger=logger)
     send = metrics.path(sc.PATH_SEND)
     send.finished("ok", 0.5, 0.0, 0.5, 1, 10, None)
     send.finished("ok", "not a number", 0.0, 0.5, 1, 10, None)

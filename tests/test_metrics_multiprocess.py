@@ -17,7 +17,8 @@ PRELUDE = textwrap.dedent("""
     import gc, os, select, sys, time, weakref
     from prometheus_client import CollectorRegistry
     from kvobs.telemetry.exposition import scrape_registry
-    from kvobs.telemetry.metrics import EngineMetrics, MetricFamilies
+    from kvobs.telemetry.engine_metrics import EngineMetrics
+    from kvobs.telemetry.families import MetricFamilies
     from kvobs.telemetry.refresher import Refresher
 
     Refresher.interval_s = 0.05

@@ -14,7 +14,8 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter
 
 from kvobs import semconv as sc
-from kvobs.telemetry import metrics as tm
+from kvobs.telemetry.engine_metrics import EngineMetrics
+from kvobs.telemetry.families import MetricFamilies
 from kvobs.errors import DuplicateEngine, MetricNameConflict, MultiprocessDirError
 from kvobs.telemetry.exposition import scrape_registry
 
@@ -27,11 +28,11 @@ def test_a_conflicting_name_registers_nothing_and_later_observers_still_work():
     registry = CollectorRegistry()
     theirs = Counter("kvobs_nan_blocks", "someone else's", registry=registry)  # one of kvobs's last families
     with pytest.raises(MetricNameConflict, match="kvobs_nan_blocks") as info:
-        tm.MetricFamilies.of(registry)
+        MetricFamilies.of(registry)
     assert "nothing of kvobs was registered" in str(info.value)
     assert names(registry) == {"kvobs_nan_blocks"}
     registry.unregister(theirs)
-    metrics = tm.EngineMetrics(tm.MetricFamilies.of(registry), "after", "cache")
+    metrics = EngineMetrics(MetricFamilies.of(registry), "after", "cache")
     metrics.path(sc.PATH_SEND).rejected()
     assert registry.get_sample_value(sc.TRANSFERS_TOTAL, {"engine": "after", "path": "send",
                                                           "outcome": "rejected"}) == 1
@@ -39,14 +40,14 @@ def test_a_conflicting_name_registers_nothing_and_later_observers_still_work():
 
 def test_a_second_live_observer_with_the_same_engine_label_is_refused():
     registry = CollectorRegistry()
-    families = tm.MetricFamilies.of(registry)
-    first = tm.EngineMetrics(families, "engine-a", "cache")
+    families = MetricFamilies.of(registry)
+    first = EngineMetrics(families, "engine-a", "cache")
     with pytest.raises(DuplicateEngine) as info:
-        tm.EngineMetrics(families, "engine-a", "other-lock")
+        EngineMetrics(families, "engine-a", "other-lock")
     assert "'engine-a'" in str(info.value) and "distinct engine label" in str(info.value)
     assert isinstance(info.value, ValueError)
-    tm.EngineMetrics(families, "engine-b", "cache")  # another label on the same registry
-    tm.EngineMetrics(tm.MetricFamilies.of(CollectorRegistry()), "engine-a", "cache")  # another registry
+    EngineMetrics(families, "engine-b", "cache")  # another label on the same registry
+    EngineMetrics(MetricFamilies.of(CollectorRegistry()), "engine-a", "cache")  # another registry
     assert first.engine == "engine-a"
 
 
@@ -54,7 +55,7 @@ class Observer:
     """Stands for an engine's observer: holds its metrics, and sits in a reference cycle as observers do."""
 
     def __init__(self, registry: CollectorRegistry, engine: str) -> None:
-        self.metrics = tm.EngineMetrics(tm.MetricFamilies.of(registry), engine, "cache")
+        self.metrics = EngineMetrics(MetricFamilies.of(registry), engine, "cache")
         self.me = self
         self.metrics.bind_lock_held(self, lambda observer: 2.0)
 
@@ -76,7 +77,7 @@ def test_a_dropped_observer_frees_its_label_and_its_counts_continue():
 
 def test_observers_created_and_dropped_do_not_stay_alive():
     registry = CollectorRegistry()
-    families = tm.MetricFamilies.of(registry)
+    families = MetricFamilies.of(registry)
     refs = []
     for i in range(2000):
         observer = Observer(registry, f"churn-{i}")
@@ -98,7 +99,7 @@ def test_configuration_errors_pickle():
 
 CREATE = textwrap.dedent("""
     from prometheus_client import CollectorRegistry
-    from kvobs.telemetry.metrics import MetricFamilies
+    from kvobs.telemetry.families import MetricFamilies
     from kvobs.errors import MultiprocessDirError
     try:
         MetricFamilies.of(CollectorRegistry())
@@ -145,7 +146,7 @@ def test_a_usable_multiprocess_dir_is_accepted(tmp_path):
 def test_a_multiprocess_dir_set_after_prometheus_client_was_imported_is_refused(tmp_path, monkeypatch):
     monkeypatch.setenv(sc.ENV_MULTIPROC_DIR, str(tmp_path))  # this process imported prometheus_client long ago
     with pytest.raises(MultiprocessDirError, match="set after prometheus_client was imported"):
-        tm.MetricFamilies.of(CollectorRegistry())
+        MetricFamilies.of(CollectorRegistry())
 
 
 def test_scraping_a_missing_multiprocess_dir_names_the_variable(tmp_path, monkeypatch):

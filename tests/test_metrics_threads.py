@@ -10,7 +10,8 @@ import threading
 from prometheus_client import CollectorRegistry, generate_latest
 
 from kvobs import semconv as sc
-from kvobs.telemetry import metrics as tm
+from kvobs.telemetry.engine_metrics import EngineMetrics
+from kvobs.telemetry.families import MetricFamilies
 
 THREADS = 8
 PER_THREAD = 50_000
@@ -65,7 +66,7 @@ class Scraper:
 
 def test_finished_counts_stay_exact_under_8_threads_and_a_scraper():
     registry = CollectorRegistry()
-    metrics = tm.EngineMetrics(tm.MetricFamilies.of(registry), "threads", "cache")
+    metrics = EngineMetrics(MetricFamilies.of(registry), "threads", "cache")
     send = metrics.path(sc.PATH_SEND)
 
     def record(index: int) -> None:
@@ -100,7 +101,7 @@ def test_finished_counts_stay_exact_under_8_threads_and_a_scraper():
 
 def test_holders_signals_and_timeouts_stay_exact_under_threads():
     registry = CollectorRegistry()
-    metrics = tm.EngineMetrics(tm.MetricFamilies.of(registry), "mixed", "cache")
+    metrics = EngineMetrics(MetricFamilies.of(registry), "mixed", "cache")
     forward = metrics.holder(sc.HOLDER_FORWARD)
     prefetch = metrics.path(sc.PATH_PREFETCH)
     n = 10_000
@@ -132,7 +133,7 @@ def test_holders_signals_and_timeouts_stay_exact_under_threads():
 
 def test_records_of_ended_threads_are_kept_and_their_buffers_dropped():
     registry = CollectorRegistry()
-    metrics = tm.EngineMetrics(tm.MetricFamilies.of(registry), "ended", "cache")
+    metrics = EngineMetrics(MetricFamilies.of(registry), "ended", "cache")
     write = metrics.path(sc.PATH_WRITE_BACK)
     for _ in range(20):  # short-lived threads, each leaving fewer records than a batch
         t = threading.Thread(target=lambda: [write.finished("ok", 0.25, 0.0, 0.25, 1, 1, None) for _ in range(3)])
@@ -146,7 +147,8 @@ def test_records_of_ended_threads_are_kept_and_their_buffers_dropped():
 FORK_WHILE_LOCKED = textwrap.dedent("""
     import os, threading
     from prometheus_client import CollectorRegistry
-    from kvobs.telemetry.metrics import EngineMetrics, MetricFamilies
+    from kvobs.telemetry.engine_metrics import EngineMetrics
+    from kvobs.telemetry.families import MetricFamilies
 
     registry = CollectorRegistry()
     metrics = EngineMetrics(MetricFamilies.of(registry), "forked", "cache")

@@ -138,7 +138,8 @@ class Stack:
 
 def start_exemplar_probe(port: int):
     """kvobs metric families on a private registry, one observation carrying a trace_id exemplar."""
-    from kvobs.telemetry.metrics import EngineMetrics, MetricFamilies
+    from kvobs.telemetry.engine_metrics import EngineMetrics
+    from kvobs.telemetry.families import MetricFamilies
 
     registry = CollectorRegistry()
     metrics = EngineMetrics(MetricFamilies.of(registry), engine="exemplar-probe", lock_name="probe")

@@ -27,7 +27,8 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from kvobs import semconv as sc
 from kvobs.signals import EarlySignalBuffer, Progress, ReadySignal, SignalBufferFull
 from kvobs.signals.reporting import ATTR_WAITED_S
-from kvobs.telemetry.metrics import EngineMetrics, MetricFamilies
+from kvobs.telemetry.engine_metrics import EngineMetrics
+from kvobs.telemetry.families import MetricFamilies
 
 ENGINE = "test"
 

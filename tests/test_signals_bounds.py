@@ -135,11 +135,12 @@ MULTIPROCESS_SCRIPT = textwrap.dedent("""
     import os, sys
     from prometheus_client import CollectorRegistry
     from kvobs.signals import EarlySignalBuffer
-    from kvobs.telemetry import metrics as tm
+    from kvobs.telemetry.engine_metrics import EngineMetrics
+    from kvobs.telemetry.families import MetricFamilies
     from kvobs.telemetry.refresher import Refresher
 
     Refresher.interval_s = 3600  # no periodic flush: what reaches the files is flushed at exit
-    metrics = tm.EngineMetrics(tm.MetricFamilies.of(CollectorRegistry()), engine="mp", lock_name="cache")
+    metrics = EngineMetrics(MetricFamilies.of(CollectorRegistry()), engine="mp", lock_name="cache")
     buf = EarlySignalBuffer(metrics=metrics)
     for slot in range(5):
         buf.register(slot, 10)

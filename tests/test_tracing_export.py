@@ -14,7 +14,7 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from prometheus_client import CollectorRegistry
 
 import kvobs
-from kvobs.telemetry import metrics as tm
+from kvobs.telemetry.families import MetricFamilies
 from kvobs.telemetry.export import CountingSpanExporter
 from kvobs.telemetry.tracing import export_timeout
 
@@ -33,7 +33,7 @@ def export_errors(registry: CollectorRegistry) -> float:
 @pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
 def test_export_to_a_closed_port_is_counted(protocol):
     registry = CollectorRegistry()
-    tm.MetricFamilies.of(registry)
+    MetricFamilies.of(registry)
     provider = kvobs.configure_tracing("down", endpoint=f"http://127.0.0.1:{closed_port()}", protocol=protocol,
                                        timeout=0.5, set_global=False)
     before = export_errors(registry)

@@ -42,7 +42,7 @@ from kvobs.signals.records import (
 )
 from kvobs.signals.reporting import FLUSH_AT, SignalReporter
 from kvobs.telemetry.failures import STAGE_METRICS
-from kvobs.telemetry.metrics import EngineMetrics
+from kvobs.telemetry.engine_metrics import EngineMetrics
 
 DEFAULT_MAX_SLOTS = 16384
 

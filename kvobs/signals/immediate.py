@@ -21,7 +21,7 @@ from kvobs.errors import SignalBufferFull
 from kvobs.signals.core import DEFAULT_MAX_SLOTS, SignalBufferCore
 from kvobs.signals.inputs import as_int, step_batch
 from kvobs.signals.records import Decision, ReadySignal
-from kvobs.telemetry.metrics import EngineMetrics
+from kvobs.telemetry.engine_metrics import EngineMetrics
 
 
 class EarlySignalBuffer(SignalBufferCore):

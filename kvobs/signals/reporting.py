@@ -31,7 +31,7 @@ from kvobs import semconv as sc
 from kvobs.signals.records import Decision
 from kvobs.telemetry.failures import STAGE_LOGGING, STAGE_METRICS, STAGE_TRACING, TelemetryFailures
 from kvobs.telemetry.logs import level_number
-from kvobs.telemetry.metrics import EngineMetrics
+from kvobs.telemetry.engine_metrics import EngineMetrics
 from kvobs.telemetry.ratelimit import RateLimitedLog
 
 FLUSH_AT = 512  # recovered waits noted before a flush is forced: bounds the memory between two scrapes

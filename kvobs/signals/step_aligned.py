@@ -35,7 +35,7 @@ from kvobs.errors import SignalBufferFull
 from kvobs.signals.core import DEFAULT_MAX_SLOTS, SignalBufferCore
 from kvobs.signals.inputs import as_int, step_batch
 from kvobs.signals.records import NO_PROGRESS, Decision, ReadySignal, decision
-from kvobs.telemetry.metrics import EngineMetrics
+from kvobs.telemetry.engine_metrics import EngineMetrics
 
 _FINISH = None  # a staged finish() in a slot's list of staged calls; a registration stages its need_tokens
 

@@ -224,6 +224,11 @@ class _Family:
     def _new_child(self) -> Any:
         raise NotImplementedError
 
+    def show(self, labelvalues: tuple[str, ...], child: Any) -> None:
+        """Show `child`, owned elsewhere, under `labelvalues` (unless a child is already there)."""
+        with self._children_lock:
+            self.children.setdefault(labelvalues, child)
+
     def describe(self) -> list[Metric]:
         return [Metric(self.name, self.documentation, self.kind)]
 
@@ -239,8 +244,26 @@ class _Family:
     def _add_samples(self, metric: Metric, labels: dict[str, str], child: Any) -> None:
         raise NotImplementedError
 
+    def renew_after_fork(self, lock: threading.Lock) -> None:
+        """In a forked child, where a lock another thread held at the fork stays held: fresh locks, `lock`
+        for what the families' lock guarded."""
+        self._children_lock = threading.Lock()
 
-class CounterFamily(_Family):
+
+class _LockedFamily(_Family):
+    """Counters and histograms: every child is written under one lock, shared with the families' batches."""
+
+    lock: threading.Lock
+
+    def renew_after_fork(self, lock: threading.Lock) -> None:
+        super().renew_after_fork(lock)
+        old, self.lock = self.lock, lock
+        for child in self.children.values():
+            if child.lock is old:  # a child with a lock of its own (the process-wide one) keeps it
+                child.lock = lock
+
+
+class CounterFamily(_LockedFamily):
     kind = "counter"
 
     def __init__(self, name: str, documentation: str, labelnames: Sequence[str], lock: threading.Lock) -> None:
@@ -256,7 +279,7 @@ class CounterFamily(_Family):
             metric.add_sample(self.name + "_created", dict(labels), child.created, None, None)
 
 
-class HistogramFamily(_Family):
+class HistogramFamily(_LockedFamily):
     kind = "histogram"
 
     def __init__(self, name: str, documentation: str, labelnames: Sequence[str], buckets: Iterable[float],

@@ -15,7 +15,7 @@ lock.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 DRAIN_AT = 1024  # records per thread before the recording thread folds them in itself
@@ -41,6 +41,16 @@ class ThreadBuffers:
         with self.lock:
             self._buffers.append((threading.current_thread(), buffer))
         return buffer
+
+    def add(self, records: Iterable[Any]) -> None:
+        """Append whole records to the calling thread's buffer (one `extend`), folding it in once it is full."""
+        try:
+            buffer = self.local.values
+        except AttributeError:
+            buffer = self.new_buffer()
+        buffer.extend(records)
+        if len(buffer) >= self.full:
+            self.drain(buffer)
 
     def drain(self, buffer: Flat) -> None:
         """Fold `buffer` in now (the owning thread, when it is full)."""

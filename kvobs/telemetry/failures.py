@@ -25,6 +25,7 @@ from kvobs.telemetry.ratelimit import RateLimitedLog
 
 LOG_INTERVAL_S = 60.0
 EVENT_TELEMETRY_FAILED = "kvobs.telemetry.failed"
+TELEMETRY_ERRORS_HELP = "Telemetry failures swallowed so the engine call is unaffected."
 
 # The stages a failure is counted under (label `stage` of kvobs_telemetry_errors_total).
 STAGE_METRICS = "metrics"

@@ -14,7 +14,7 @@ from typing import Any
 from opentelemetry import trace
 from opentelemetry.trace import NoOpTracerProvider, ProxyTracerProvider, Tracer, TracerProvider
 
-from kvobs import __version__
+from kvobs.version import __version__
 
 INSTRUMENTATION_NAME = "kvobs"
 RECHECK_S = 1.0
@@ -78,7 +78,7 @@ def configure_tracing(
     from opentelemetry.sdk.trace import TracerProvider as SdkTracerProvider
 
     from kvobs.telemetry.export import BoundedBatchSpanProcessor, CountingSpanExporter
-    from kvobs.telemetry.metrics import process_failures
+    from kvobs.telemetry.process_failures import process_failures
 
     timeout_s = export_timeout(timeout)
     attributes = {SERVICE_NAME: service_name} if service_name else {}

@@ -1,0 +1,31 @@
+"""What a forked child must renew: locks that other threads held at the fork, and open file descriptions
+it would otherwise share with its parent.
+
+Only the forking thread lives on in the child, so a lock another thread held at the fork stays held there
+forever; and locks that belong to an open file description (``flock``, OFD byte-range locks) are shared with
+the parent through every inherited descriptor. Each kind of object registers its renewal once, and every
+instance still alive is renewed in the child before it runs anything else.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections.abc import Callable
+from typing import TypeVar
+
+__all__ = ["renewed_after_fork"]
+
+T = TypeVar("T")
+
+
+def renewed_after_fork(renew: Callable[[T], object]) -> weakref.WeakSet[T]:
+    """A set (held weakly) of objects on each of which a forked child calls `renew`; add every instance."""
+    live: weakref.WeakSet[T] = weakref.WeakSet()
+
+    def renew_all() -> None:
+        for item in list(live):
+            renew(item)
+
+    os.register_at_fork(after_in_child=renew_all)
+    return live

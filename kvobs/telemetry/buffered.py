@@ -1,0 +1,152 @@
+"""Single-process PathMetrics and HolderMetrics: a record goes into the calling thread's buffer, and batches
+are folded into the accumulators when a buffer is full and at every scrape (see buffers.py for why).
+
+A batch is folded in two steps: `_prepare` reads the flat records by strided slices and computes every
+update (this is where a bad record raises), then `_commit` applies them, which cannot fail. So a batch is
+applied whole or not at all; one that cannot be is folded record by record, and a record that cannot be is
+counted and dropped, never the batch.
+"""
+
+from __future__ import annotations
+
+import operator
+import time
+from itertools import compress
+from typing import Any, ClassVar
+
+from kvobs import semconv as sc
+from kvobs.telemetry.accumulators import CounterCell, HistogramCell
+from kvobs.telemetry.buffers import ThreadBuffers
+from kvobs.telemetry.failures import STAGE_METRICS
+from kvobs.telemetry.families import Failed, MetricFamilies
+from kvobs.telemetry.path_metrics import HolderMetrics, LockSeries, PathMetrics
+
+__all__ = ["BufferedHolderMetrics", "BufferedPathMetrics"]
+
+_SECOND, _THIRD = operator.itemgetter(1), operator.itemgetter(2)
+_TRANSFER_WIDTH = 7  # outcome, duration, wait, hold, blocks, bytes, (exemplar, time) or None
+_HOLDER_WIDTH = 3  # wait, hold, (exemplar, time) or None
+_now = time.time
+# histogram batches, counter increments, exemplars (histogram, amount, labels, timestamp)
+Prepared = tuple[list[Any], list[tuple[CounterCell, float]], list[tuple[HistogramCell, float, dict[str, str], float]]]
+
+
+class _Buffered(LockSeries):
+    """Records of `width` values into per-thread buffers, folded in by `_prepare` and `_commit`."""
+
+    width: ClassVar[int]
+
+    def __init__(self, families: MetricFamilies, engine: str, lock_name: str, name: str, failed: Failed) -> None:
+        super().__init__(families, engine, lock_name, name, failed)
+        self._buffers = ThreadBuffers(self.width, self._apply, families.lock)
+        self._local = self._buffers.local
+        self._full = self._buffers.full
+        families.add_buffers(self._buffers)
+
+    def _apply(self, values: list[Any]) -> None:
+        """Fold a batch in (under the families' lock): whole, else record by record."""
+        try:
+            _commit(self._prepare(values))
+        except Exception:  # noqa: BLE001 - a bad record must not cost the others
+            for start in range(0, len(values), self.width):
+                try:
+                    _commit(self._prepare(values[start:start + self.width]))
+                except Exception as exc:  # noqa: BLE001
+                    self._failed(STAGE_METRICS, exc)
+
+    def _prepare(self, values: list[Any]) -> Prepared:
+        raise NotImplementedError
+
+
+class BufferedPathMetrics(_Buffered, PathMetrics):
+    """`finished` adds one record to the calling thread's buffer."""
+
+    width = _TRANSFER_WIDTH
+
+    def finished(self, outcome: str, duration_s: float, wait_s: float, hold_s: float, blocks: int, nbytes: int,
+                 exemplar: dict[str, str] | None = None) -> None:
+        # ThreadBuffers.add, written out: the one call every transfer makes.
+        try:
+            values = self._local.values
+        except AttributeError:
+            values = self._buffers.new_buffer()
+        values.extend((outcome, duration_s, wait_s, hold_s, blocks, nbytes, exemplar and (exemplar, _now())))
+        if len(values) >= self._full:
+            self._buffers.drain(values)
+
+    def finished_many(self, outcome: str, duration_s: float, wait_s: float, hold_s: float,
+                      moved: list[tuple[Any, int, int]], exemplar: dict[str, str] | None = None) -> None:
+        records = [outcome, duration_s, wait_s, hold_s, 0, 0, exemplar and (exemplar, _now())] * len(moved)
+        records[4::_TRANSFER_WIDTH] = map(_SECOND, moved)  # blocks, then bytes, filled in C
+        records[5::_TRANSFER_WIDTH] = map(_THIRD, moved)
+        self._buffers.add(records)
+
+    def _prepare(self, values: list[Any]) -> Prepared:
+        """Fields of the flat records (outcome, duration, wait, hold, blocks, bytes, exemplar) by slicing."""
+        w = _TRANSFER_WIDTH
+        outcomes = values[0::w]
+        count = len(outcomes)
+        batches = [self.lock_wait.prepare(values[2::w]), self.lock_hold.prepare(values[3::w])]
+        if outcomes.count(sc.OUTCOME_OK) == count:
+            batches.append(self.duration[sc.OUTCOME_OK].prepare(values[1::w]))
+            moved_blocks, moved_bytes = _total(values[4::w]), _total(values[5::w])
+            increments = [(self.transfers[sc.OUTCOME_OK], count)]
+        else:
+            by_outcome: dict[str, list[float]] = {}
+            for outcome, duration in zip(outcomes, values[1::w]):
+                by_outcome.setdefault(outcome, []).append(duration)
+            increments = []
+            for outcome, durations in by_outcome.items():
+                batches.append(self.duration[outcome].prepare(durations))
+                increments.append((self.transfers[outcome], len(durations)))
+            ok = [outcome == sc.OUTCOME_OK for outcome in outcomes]
+            moved_blocks = _total(list(compress(values[4::w], ok)))
+            moved_bytes = _total(list(compress(values[5::w], ok)))
+        increments += [(self.blocks, moved_blocks), (self.bytes, moved_bytes)]
+        return batches, increments, self._exemplars_of(values, outcomes)
+
+    def _exemplars_of(self, values: list[Any], outcomes: list[str]) -> list[Any]:
+        """Each record's exemplar, on its lock wait and its duration."""
+        w = _TRANSFER_WIDTH
+        exemplars = values[6::w]
+        if exemplars.count(None) == len(exemplars):
+            return []
+        marks = []
+        for outcome, duration, wait, exemplar in zip(outcomes, values[1::w], values[2::w], exemplars):
+            if exemplar:
+                labels, timestamp = exemplar
+                marks.append((self.lock_wait, wait, labels, timestamp))
+                marks.append((self.duration[outcome], duration, labels, timestamp))
+        return marks
+
+
+class BufferedHolderMetrics(_Buffered, HolderMetrics):
+    """`held` adds one record to the calling thread's buffer."""
+
+    width = _HOLDER_WIDTH
+
+    def held(self, wait_s: float, hold_s: float, exemplar: dict[str, str] | None = None) -> None:
+        self._buffers.add((wait_s, hold_s, exemplar and (exemplar, _now())))
+
+    def _prepare(self, values: list[Any]) -> Prepared:
+        """Fields of the flat records (wait, hold, exemplar) by slicing."""
+        marks = [(self.lock_wait, wait, *exemplar) for wait, exemplar in zip(values[0::3], values[2::3]) if exemplar]
+        return [self.lock_wait.prepare(values[0::3]), self.lock_hold.prepare(values[1::3])], [], marks
+
+
+def _total(amounts: list[Any]) -> int:
+    """The sum of per-record counts, refusing a negative one (a counter never goes down)."""
+    if amounts and min(amounts) < 0:
+        raise ValueError(f"negative count among {amounts[:8]}: counters never go down")
+    return sum(amounts)
+
+
+def _commit(prepared: Prepared) -> None:
+    """Apply a prepared batch; nothing here can fail, so a batch is applied whole or not at all."""
+    batches, increments, marks = prepared
+    for cell, total, bucket_increments in batches:
+        cell.commit(total, bucket_increments)
+    for counter, amount in increments:
+        counter.value += amount
+    for histogram, amount, labels, timestamp in marks:
+        histogram.set_exemplar(amount, labels, timestamp)
