@@ -1,0 +1,366 @@
+"""Lifecycle behaviours that a sampled mutation run of kvobs.transfer and kvobs.guard showed no test pinned
+down: the with-block's check at exit, the tracing context after every form of transfer, the span of a task
+cancelled while it waits, and an event loop that keeps running while a guarded coroutine waits.
+
+Each test here fails on a mutant that the other tests let through; tools/mutate.py reruns them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+from opentelemetry import trace
+
+import kvobs
+from kvobs import active
+from kvobs import semconv as sc
+from kvobs.integrity import CorruptKVError
+from kvobs.locks import ThreadLock
+from kvobs.testing import capture
+from support import lock_is_free, lock_is_free_from_other_thread
+
+
+def kv_cache(blocks=8):
+    return torch.ones(blocks, 2, 4, dtype=torch.float16)
+
+
+@pytest.fixture
+def checked():
+    with capture(engine="gaps", integrity="raise", lock_timeout=2.0) as captured:
+        yield captured
+
+
+# -- `with obs.transfer("prefetch", ...)`: the destinations are checked when the block exits -------------------
+
+
+def test_with_prefetch_checks_the_blocks_it_loaded_on_exit_and_raises_what_it_finds(checked):
+    cache = kv_cache()
+    with pytest.raises(CorruptKVError) as info:
+        with checked.observer.transfer("prefetch", block_ids=[2, 5], cache=cache):
+            assert not lock_is_free_from_other_thread(checked.observer.lock)
+            cache[5, 1, 3] = float("nan")  # the "load" brings a bad value into a destination block
+    assert info.value.bad_block_ids == (5,)
+    assert "prefetch" in str(info.value)
+    assert lock_is_free(checked.observer.lock)
+    assert checked.value(sc.TRANSFERS_TOTAL, path="prefetch", outcome="error") == 1
+    assert checked.value(sc.NAN_CHECKS_TOTAL, path="prefetch", result="nan") == 1
+    (span,) = checked.spans
+    assert span.attributes[sc.ATTR_ERROR_TYPE] == "CorruptKVError"
+
+
+def test_with_prefetch_does_not_look_at_blocks_before_they_are_loaded(checked):
+    cache = kv_cache()
+    cache[3] = float("inf")  # stale garbage in a destination the prefetch is about to overwrite
+    with checked.observer.transfer("prefetch", block_ids=[3], cache=cache):
+        cache[3] = 1.0
+    assert checked.value(sc.TRANSFERS_TOTAL, path="prefetch", outcome="ok") == 1
+    assert checked.value(sc.NAN_CHECKS_TOTAL, path="prefetch", result="clean") == 1
+
+
+def test_with_prefetch_leaves_blocks_outside_the_transfer_alone(checked):
+    cache = kv_cache()
+    cache[7] = float("nan")
+    with checked.observer.transfer("prefetch", block_ids=[1, 2], cache=cache):
+        pass
+    assert checked.value(sc.TRANSFERS_TOTAL, path="prefetch", outcome="ok") == 1
+
+
+def test_async_with_prefetch_checks_on_exit(checked):
+    cache = kv_cache()
+
+    async def main():
+        async with checked.observer.transfer("prefetch", block_ids=[0, 1], cache=cache):
+            await asyncio.sleep(0)
+            cache[0, 0, 0] = float("-inf")
+
+    with pytest.raises(CorruptKVError) as info:
+        asyncio.run(main())
+    assert info.value.bad_block_ids == (0,)
+    assert lock_is_free(checked.observer.lock)
+
+
+# -- the tracing context is the caller's again after every transfer ----------------------------------------
+
+
+def _decorated_ok(obs):
+    @obs.prefetch(block_ids="ids")
+    def fetch(ids):
+        return trace.get_current_span()
+
+    return fetch([1])
+
+
+def _decorated_raising(obs):
+    @obs.write_back(block_ids="ids")
+    def write(ids):
+        raise OSError("disk gone")
+
+    with pytest.raises(OSError, match="disk gone"):
+        write([1])
+
+
+def _decorated_corrupt(obs):
+    cache = kv_cache()
+    cache[1] = float("nan")
+
+    @obs.send(block_ids="ids", cache=lambda ids: cache)
+    def send(ids):
+        raise AssertionError("a corrupt send must not run")
+
+    with pytest.raises(CorruptKVError):
+        send([1])
+
+
+def _decorated_timing_out(obs):
+    @obs.prefetch(block_ids="ids")
+    def fetch(ids):
+        raise AssertionError("never runs: the lock is held")
+
+    assert obs.lock.acquire(0)
+    try:
+        with pytest.raises(kvobs.LockTimeout):
+            fetch([1])
+    finally:
+        obs.lock.release()
+
+
+def _in_one_task(coroutine_function, *args):
+    """Await the guarded coroutine from a caller in the same task (the engine's step awaiting its send), and
+    check the caller's span is current again right after, inside that task."""
+
+    async def caller():
+        before = trace.get_current_span()
+        try:
+            return await coroutine_function(*args)
+        finally:
+            assert trace.get_current_span() is before
+
+    return asyncio.run(caller())
+
+
+def _decorated_async(obs):
+    @obs.send(block_ids="ids")
+    async def send(ids):
+        await asyncio.sleep(0)
+        return trace.get_current_span()
+
+    return _in_one_task(send, [1])
+
+
+def _decorated_async_raising(obs):
+    @obs.send(block_ids="ids")
+    async def send(ids):
+        await asyncio.sleep(0)
+        raise OSError("peer gone")
+
+    with pytest.raises(OSError, match="peer gone"):
+        _in_one_task(send, [1])
+
+
+def _with_ok(obs):
+    with obs.transfer("prefetch", block_ids=[1]):
+        pass
+
+
+def _with_raising(obs):
+    with pytest.raises(KeyError):
+        with obs.transfer("write_back", block_ids=[1]):
+            raise KeyError("boom")
+
+
+def _begin_complete(obs):
+    t = obs.begin("prefetch", block_ids=[1])
+    assert t.complete("done") == "done"
+
+
+def _begin_fail(obs):
+    t = obs.begin("send", block_ids=[1])
+    assert t.fail(OSError("link down"))
+
+
+def _begin_complete_later(obs):
+    @obs.write_back(block_ids="ids", complete_later="key")
+    def write(ids, key):
+        return "submitted"
+
+    assert write([1], key="job-1") == "submitted"
+    assert obs.complete("write_back", "job-1", "stored") == "stored"
+
+
+FORMS = [_decorated_ok, _decorated_raising, _decorated_corrupt, _decorated_timing_out, _decorated_async,
+         _decorated_async_raising, _with_ok, _with_raising, _begin_complete, _begin_fail, _begin_complete_later]
+
+
+@pytest.mark.parametrize("form", FORMS, ids=[f.__name__.lstrip("_") for f in FORMS])
+def test_the_callers_span_is_current_again_after_every_transfer(form):
+    with capture(engine="ctx", integrity="raise", lock_timeout=0.2) as cap:
+        tracer = cap.provider.get_tracer("engine")
+        with tracer.start_as_current_span("engine.step") as outer:
+            form(cap.observer)
+            assert trace.get_current_span() is outer
+        assert not trace.get_current_span().get_span_context().is_valid
+        assert lock_is_free(cap.observer.lock)
+        kvobs_spans = [s for s in cap.spans if s.name.startswith("kvobs.")]
+        assert kvobs_spans, "the transfer recorded no span"
+        assert all(s.parent is not None and s.parent.span_id == outer.get_span_context().span_id
+                   for s in kvobs_spans)
+
+
+@pytest.mark.parametrize("form", [_decorated_ok, _decorated_async], ids=["sync", "async"])
+def test_the_decorated_call_runs_with_the_transfer_span_current(form):
+    with capture(engine="ctx", integrity=None) as cap:
+        inside = form(cap.observer)
+        (span,) = cap.spans
+        assert inside.get_span_context().span_id == span.context.span_id
+        assert not trace.get_current_span().get_span_context().is_valid
+
+
+def test_the_callers_span_is_current_again_when_no_tracer_records(registry):
+    obs = kvobs.KVObserver("quiet", registry=registry, enabled=False, integrity=None)
+    provider = trace.NoOpTracerProvider()
+    with provider.get_tracer("engine").start_as_current_span("engine.step") as outer:
+        _decorated_ok(obs)
+        _decorated_raising(obs)
+        _with_ok(obs)
+        assert trace.get_current_span() is outer
+
+
+# -- a coroutine cancelled while it waits for the lock ------------------------------------------------------
+
+
+def _hold_from_another_thread(lock):
+    """Hold `lock` from a thread until the returned event is set (so the test's own thread waits for it)."""
+    holding, release = threading.Event(), threading.Event()
+
+    def hold():
+        assert lock.acquire(5)
+        holding.set()
+        release.wait(10)
+        lock.release()
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    assert holding.wait(5)
+    return release, thread
+
+
+@pytest.mark.parametrize("form", ["decorator", "async with"])
+def test_the_span_of_a_task_cancelled_while_waiting_for_the_lock_is_ended(cap, form):
+    obs = cap.observer
+    release, holder = _hold_from_another_thread(obs.lock)
+
+    @obs.send(block_ids="ids")
+    async def send(ids):
+        raise AssertionError("never runs: cancelled while waiting")
+
+    async def with_block():
+        async with obs.transfer("send", block_ids=[1]):
+            raise AssertionError("never runs: cancelled while waiting")
+
+    async def main():
+        task = asyncio.create_task(send([1]) if form == "decorator" else with_block())
+        await asyncio.sleep(0.05)
+        assert not task.done()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    try:
+        asyncio.run(main())
+    finally:
+        release.set()
+        holder.join()
+    (span,) = cap.spans
+    assert span.end_time is not None
+    assert span.attributes[sc.ATTR_ERROR_TYPE] == "CancelledError"
+    assert cap.value(sc.TRANSFERS_TOTAL, path="send", outcome="error") == 1
+    assert lock_is_free(obs.lock)
+
+
+# -- the event loop runs while a guarded coroutine waits for a contended lock -------------------------------
+
+
+class RecordingLock(ThreadLock):
+    """A real ThreadLock that notes, per thread, the timeout of every acquisition attempt."""
+
+    def __init__(self, name: str = "thread") -> None:
+        super().__init__(name)
+        self.attempts: list[tuple[int, float | None]] = []
+
+    def acquire_into(self, held, claim, timeout, on_conflict=None):
+        self.attempts.append((threading.get_ident(), timeout))
+        return super().acquire_into(held, claim, timeout, on_conflict)
+
+
+@pytest.mark.parametrize("form", ["decorator", "async with"])
+def test_a_waiting_coroutine_only_ever_tries_the_lock_and_lets_the_loop_run(registry, form):
+    lock = RecordingLock()
+    obs = kvobs.KVObserver("loop", registry=registry, lock=lock, integrity=None, lock_timeout=5.0)
+    release, holder = _hold_from_another_thread(lock)
+    ticks = []
+
+    @obs.write_back(block_ids="ids")
+    async def write(ids):
+        return "written"
+
+    async def with_block():
+        async with obs.transfer("write_back", block_ids=[1]):
+            return "written"
+
+    async def ticker():
+        for _ in range(5):
+            ticks.append(1)
+            await asyncio.sleep(0.01)
+        release.set()  # only a loop that keeps running ever lets the holder go
+
+    async def main():
+        waiter = write([1]) if form == "decorator" else with_block()
+        return await asyncio.gather(waiter, ticker())
+
+    loop_thread = threading.get_ident()
+    try:
+        assert asyncio.run(main())[0] == "written"
+    finally:
+        release.set()
+        holder.join()
+    assert len(ticks) == 5
+    on_loop = [timeout for thread, timeout in lock.attempts if thread == loop_thread]
+    assert len(on_loop) >= 2  # a try that failed, then one that succeeded after the holder let go
+    assert set(on_loop) == {0}  # never a blocking wait on the loop's thread
+
+
+# -- nothing of an ended transfer stays in the caller's context -----------------------------------------------
+
+
+def test_an_ended_transfer_is_not_left_in_the_callers_context(cap):
+    """The context's active transfers are for refusing re-entry; one left behind keeps the ended transfer
+    (its cache, its span) alive for as long as the caller's context lives."""
+    obs = cap.observer
+
+    @obs.send(block_ids="ids")
+    def send(ids):
+        assert len(active.ACTIVE.get()) == 1
+        return "sent"
+
+    @obs.send(block_ids="ids")
+    async def send_async(ids):
+        assert len(active.ACTIVE.get()) == 1
+        return "sent"
+
+    async def caller():
+        assert await send_async([1]) == "sent"
+        assert active.ACTIVE.get() == ()
+        with pytest.raises(KeyError):
+            async with obs.transfer("send", block_ids=[1]):
+                raise KeyError("boom")
+        assert active.ACTIVE.get() == ()
+
+    assert send([1]) == "sent"
+    assert active.ACTIVE.get() == ()
+    asyncio.run(caller())
+    with obs.transfer("send", block_ids=[1]):
+        assert len(active.ACTIVE.get()) == 1
+    assert active.ACTIVE.get() == ()

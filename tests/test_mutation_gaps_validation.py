@@ -1,0 +1,106 @@
+"""Input checks that a sampled mutation run of kvobs.validation and kvobs.policy showed no test pinned down.
+
+Each test here fails on a mutant that the other tests let through (an operator swapped, a condition or a
+statement removed); tools/mutate.py reruns them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import kvobs
+from kvobs.policy import IntegrityPolicy
+from kvobs.validation import resolve_blocks
+
+
+@pytest.fixture
+def obs(registry):
+    return kvobs.KVObserver("gaps", registry=registry, integrity=None, capacity=64, lock_timeout=2.0)
+
+
+@pytest.mark.parametrize("ids, options, message", [
+    ([3, 7, 5, 7], {}, "block id 7 appears more than once"),
+    ([1, 2, 3, 4, 5, 6, 5], {}, "block id 5 appears more than once"),
+    ([9, 10, 9, 10, 11, 12, 11], {"group_sizes": [2, 5]}, "KV group 1: block id 11 appears more than once"),
+    ([0, 5, 9, 5], {"page_size": 4}, "token slot 5 appears more than once"),
+], ids=["plain", "late", "kv group", "token slots"])
+def test_the_duplicate_error_names_the_duplicate_not_the_first_id(ids, options, message):
+    page_size = options.get("page_size")
+    with pytest.raises(kvobs.TransferRejected, match=message):
+        resolve_blocks("prefetch", ids, capacity=64, page_size=page_size, group_sizes=options.get("group_sizes"))
+
+
+def test_a_duplicate_through_the_public_api_is_named(obs):
+    with pytest.raises(kvobs.TransferRejected, match="block id 6 appears more than once"):
+        obs.transfer("prefetch", block_ids=(2, 6, 4, 6))
+
+
+SEQUENCES = [
+    ("list", [4, 1, 3]),
+    ("tuple", (4, 1, 3)),
+    ("numpy", np.array([4, 1, 3], dtype=np.int64)),
+    ("numpy int32", np.array([4, 1, 3], dtype=np.int32)),
+    ("torch", torch.tensor([4, 1, 3])),
+    ("numpy scalars", [np.int64(4), np.int32(1), np.int16(3)]),
+]
+
+
+@pytest.mark.parametrize("ids", [s[1] for s in SEQUENCES], ids=[s[0] for s in SEQUENCES])
+def test_ids_come_back_as_a_list_of_python_ints_whatever_sequence_came_in(obs, ids):
+    for blocks in (resolve_blocks("prefetch", ids, capacity=64), obs.transfer("prefetch", block_ids=ids).blocks):
+        assert type(blocks.ids) is list
+        assert blocks.ids == [4, 1, 3]
+        assert [type(i) for i in blocks.ids] == [int, int, int]
+        assert blocks.distinct == (1, 3, 4)
+        assert blocks.count == 3
+
+
+def test_a_range_comes_back_as_a_list(obs):
+    blocks = obs.transfer("prefetch", block_ids=range(2, 5)).blocks
+    assert type(blocks.ids) is list
+    assert blocks.ids == [2, 3, 4]
+
+
+def test_a_list_is_not_copied_and_a_tuple_is(obs):
+    ids = [5, 6]
+    assert resolve_blocks("prefetch", ids, capacity=None).ids is ids  # nothing to convert: no copy
+    assert resolve_blocks("prefetch", (5, 6), capacity=None).ids == [5, 6]
+
+
+def test_token_slot_ids_come_back_as_a_list_with_their_pages():
+    blocks = resolve_blocks("prefetch", (0, 1, 9), capacity=8, page_size=4)
+    assert type(blocks.ids) is list
+    assert blocks.ids == [0, 1, 9]
+    assert blocks.distinct == (0, 2)
+    assert blocks.count == 2
+
+
+@pytest.mark.parametrize("fraction", [True, False, "0.5", [0.5], 0.5j, b"1"])
+def test_a_fraction_that_is_not_a_number_is_rejected(fraction):
+    with pytest.raises(ValueError, match=r"fraction must be a number in \(0, 1\]"):
+        IntegrityPolicy(fraction=fraction)
+
+
+@pytest.mark.parametrize("fraction", [1, 0.5, 1e-9])
+def test_numbers_in_range_are_accepted_as_fractions(fraction):
+    assert IntegrityPolicy(fraction=fraction).fraction == fraction
+
+
+@pytest.mark.parametrize("fraction", [0, -0.5, 1.0000001, float("nan")])
+def test_a_fraction_out_of_range_is_rejected(fraction):
+    with pytest.raises(ValueError, match="fraction must be in"):
+        IntegrityPolicy(fraction=fraction)
+
+
+@pytest.mark.parametrize("every", [True, "2", 2.0, 0, -1])
+def test_every_must_be_a_positive_int(every):
+    with pytest.raises(ValueError, match="every must be an int >= 1"):
+        IntegrityPolicy(every=every)
+
+
+def test_every_with_a_fraction_is_refused_but_every_1_is_the_default():
+    with pytest.raises(ValueError, match="not both"):
+        IntegrityPolicy(every=2, fraction=0.5)
+    assert IntegrityPolicy(every=1, fraction=0.5).fraction == 0.5
