@@ -2,12 +2,13 @@
 
 A misconfigured cache (an integer or meta tensor, a wrong `block_dim`, ids past its end) must fail at the
 first call that names it, as a TransferRejected before the lock is taken, not under the lock on every call
-after a prefetch already ran. The last cache seen is remembered, so the common case (the same cache object
-on every call) validates once.
+after a prefetch already ran. The caches seen recently are remembered by identity (a few hundred: one per
+layer of a model whose sends go layer by layer), so each validates once.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any
 
 from kvobs.errors import TransferRejected
@@ -16,9 +17,10 @@ from kvobs.errors import TransferRejected
 class CacheCheck:
     """Validates caches for one observer and runs the NaN/Inf check on validated ones."""
 
-    def __init__(self, block_dim: int) -> None:
+    def __init__(self, block_dim: int, remembered: int = 256) -> None:
         self.block_dim = block_dim
-        self._last: tuple[Any, Any] | None = None
+        self._remembered = remembered
+        self._seen: OrderedDict[int, tuple[Any, Any]] = OrderedDict()  # id(cache) -> (cache, validated)
 
     def inspect(self, path: str, cache: Any, blocks: Any = None) -> Any:
         """The layout of `cache` (with `num_blocks`), checked to hold `blocks` (a validation.Blocks or None);
@@ -31,16 +33,18 @@ class CacheCheck:
         return layout
 
     def _layout(self, path: str, cache: Any) -> Any:
-        last = self._last
-        if last is not None and last[0] is cache:
-            return last[1]
+        seen = self._seen.get(id(cache))
+        if seen is not None and seen[0] is cache:  # the cache is held here, so its id cannot be reused
+            return seen[1]
         from kvobs.integrity import validate_cache
 
         try:
             layout = validate_cache(cache, block_dim=self.block_dim)
         except (TypeError, ValueError) as exc:
             raise TransferRejected(path, f"cache cannot be checked: {exc}") from None
-        self._last = (cache, layout)
+        self._seen[id(cache)] = (cache, layout)
+        while len(self._seen) > self._remembered:
+            self._seen.popitem(last=False)
         return layout
 
     @staticmethod

@@ -271,3 +271,18 @@ def test_sglang_shaped_poisoned_page_is_caught_on_the_ack(cap):
     with pytest.raises(kvobs.CorruptKVError):
         hicache.loading_check()
     assert lock_is_free(obs.lock)
+
+
+def test_per_layer_caches_are_validated_once_each(cap, monkeypatch):
+    """Sends go layer by layer, each with its own layer's cache: each is validated once, not once per call."""
+    from kvobs import integrity
+
+    calls = []
+    real = integrity.validate_cache
+    monkeypatch.setattr(integrity, "validate_cache", lambda cache, **kw: calls.append(id(cache)) or real(cache, **kw))
+    obs = _observer(cap, integrity="raise")
+    layers = [torch.ones(NUM_BLOCKS, 4, 8) for _ in range(3)]
+    for _ in range(4):
+        for layer in layers:
+            obs.begin("send", block_ids=[1, 2], cache=layer).complete()
+    assert sorted(calls) == sorted(id(layer) for layer in layers)
