@@ -7,6 +7,7 @@ acknowledgement, checked when the data is there."""
 from __future__ import annotations
 
 import math
+import types
 from typing import Any
 
 import pytest
@@ -23,6 +24,7 @@ from kvobs import semconv as sc
 from kvobs.block_lock import BlockLock
 from kvobs.errors import CorruptKVError
 from kvobs.integrations import sglang as kvobs_sglang
+from kvobs.integrations.sglang.pages import page_views
 from kvobs.locks import ThreadLock
 from kvobs.telemetry.recorder import TransferRecord
 from kvobs.testing import capture
@@ -234,3 +236,14 @@ def test_sglang_behaves_the_same_with_and_without_kvobs(engine: Any, cap: Any, k
     assert got[:-1] == expected[:-1]
     for got_tensor, expected_tensor in zip(got[-1][1] + got[-1][2], expected[-1][1] + expected[-1][2], strict=True):
         assert torch.equal(got_tensor.nan_to_num(-1.0), expected_tensor.nan_to_num(-1.0))
+
+
+def test_pools_kvobs_cannot_view_as_pages_are_left_unchecked_with_the_reason() -> None:
+    nhd = types.SimpleNamespace(kv_cache_layout="nhd", k_buffer=[torch.zeros(8, 2, 3)], v_buffer=[torch.zeros(8, 2, 3)])
+    views, _ = page_views(nhd, PAGE)
+    assert [tuple(v.shape) for v in views] == [(2, PAGE, 2, 3)] * 2
+    hnd = types.SimpleNamespace(kv_cache_layout="hnd", k_buffer=[torch.zeros(8, 2, 3)])
+    assert page_views(hnd, PAGE) == (None, "the 'hnd' KV layout is not indexed by token slot (only 'nhd' is)")
+    ragged = types.SimpleNamespace(k_buffer=[torch.zeros(6, 2)])
+    assert page_views(ragged, PAGE)[0] is None
+    assert page_views(object(), PAGE) == (None, "object has no k_buffer/v_buffer/kv_buffer tensors")

@@ -7,7 +7,8 @@ what the observer expects, so both integrations work with either observer.
 
 SGLang's MHA pool keeps one tensor per layer for K and one for V, shaped [size + page_size, heads, dim] and
 indexed by token slot (the first page is padding); the MLA pool one `kv_buffer` per layer. Viewed as
-[pages, page_size, ...] they are indexed by page, which is what kvobs's NaN/Inf check reads.
+[pages, page_size, ...] they are indexed by page, which is what kvobs's NaN/Inf check reads. Other layouts
+(HND, which folds heads into the page index; ROCm's vectorized 5-D) are left unchecked, with the reason.
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ def page_views(pool: Any, page_size: int) -> tuple[list[Any] | None, str]:
     (MHA: `k_buffer`/`v_buffer`, MLA: `kv_buffer`), or a list of tensors already indexed by page."""
     if isinstance(pool, (list, tuple)):
         return list(pool), ""
+    layout = getattr(pool, "kv_cache_layout", None)
+    if layout not in (None, "nhd"):
+        return None, f"the {layout!r} KV layout is not indexed by token slot (only 'nhd' is)"
     buffers = [t for name in ("k_buffer", "v_buffer", "kv_buffer") for t in (getattr(pool, name, None) or ())]
     if not buffers:
         return None, f"{type(pool).__name__} has no k_buffer/v_buffer/kv_buffer tensors"
