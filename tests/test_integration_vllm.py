@@ -78,6 +78,8 @@ def test_the_child_inherits_the_wrappers_engine_id_and_role(vllm: upstream.Upstr
     ({"connector": PLAIN, "integrity": "skip"}, "integrity='skip': use one of report, raise, count, off"),
     ({"connector": PLAIN, "deadline": 0}, "deadline=0: use a positive number of seconds"),
     ({"connector": PLAIN, "engine": "req 7"}, "not a valid label value"),
+    ({"connector": PLAIN, "check_every": 0}, "check_every=0: use an int >= 1"),
+    ({"connector": PLAIN, "tracing": "yes"}, "tracing='yes': use true or false"),
 ])
 def test_bad_options_are_refused_when_vllm_builds_the_connector(
         vllm: upstream.Upstream, options: dict[str, Any], problem: str) -> None:

@@ -178,3 +178,48 @@ def test_a_flushed_nan_store_is_not_waited_for(rig: Rig, vllm: upstream.Upstream
     seen = rig.results_until(job_id=25)
     assert seen["completed_jobs"] == {25: 1, 26: 1}
     assert sorted(rig.outcomes(sc.PATH_WRITE_BACK)) == [(25, sc.OUTCOME_ERROR), (26, sc.OUTCOME_OK)]
+
+
+@pytest.mark.parametrize("rig", [{"check_every": 2}], indirect=True)
+def test_check_every_checks_one_transfer_in_n(rig: Rig, vllm: upstream.Upstream) -> None:
+    worker = rig.register()
+    for host in worker.host:
+        host[0] = as_bytes(NAN)
+    for job_id, device in ((31, 1), (32, 2), (33, 3)):
+        rig.step(load_jobs={job_id: load_job(vllm, f"req-{job_id}", host=[0], device=[device])})
+        rig.results_until(request_id=f"req-{job_id}")
+    assert rig.outcomes(sc.PATH_PREFETCH) == [(31, sc.OUTCOME_REJECTED), (32, sc.OUTCOME_OK), (33, sc.OUTCOME_REJECTED)]
+
+
+def test_a_block_lock_holds_the_blocks_of_every_open_transfer_at_once(vllm: upstream.Upstream, tmp_path) -> None:
+    """vLLM keeps many transfers open: a BlockLock lets those on disjoint blocks hold their blocks together."""
+    from kvobs.block_lock import BlockLock
+
+    rig = Rig(vllm, lock=BlockLock("vllm-offloading", 8, directory=tmp_path), lock_timeout=1.0)
+    try:
+        worker = rig.register()
+        worker.gate.clear()
+        rig.step(load_jobs={41: load_job(vllm, "req-41", host=[0], device=[1]),
+                            42: load_job(vllm, "req-42", host=[1], device=[2])})
+        assert all(rig.obs.open_transfer(sc.PATH_PREFETCH, job).holds() for job in (41, 42))
+        worker.gate.set()
+        rig.results_until(request_id="req-42")
+        wait_until(lambda: len(rig.records) == 2)
+        assert sorted(rig.outcomes(sc.PATH_PREFETCH)) == [(41, sc.OUTCOME_OK), (42, sc.OUTCOME_OK)]
+    finally:
+        rig.close()
+
+
+def test_a_global_lock_cannot_hold_two_open_transfers(vllm: upstream.Upstream) -> None:
+    """Why the integration takes no lock by default: the second job waits for the first one's completion,
+    which comes a step later, and times out inside vLLM's step."""
+    import kvobs
+
+    rig = Rig(vllm, lock=kvobs.ThreadLock(), lock_timeout=0.2)
+    try:
+        rig.register()
+        with pytest.raises(kvobs.LockTimeout):
+            rig.step(load_jobs={43: load_job(vllm, "req-43", host=[0], device=[1]),
+                                44: load_job(vllm, "req-44", host=[1], device=[2])})
+    finally:
+        rig.close()

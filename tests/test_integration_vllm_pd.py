@@ -206,26 +206,21 @@ def test_a_notification_only_receive_is_not_observed(nodes: tuple[Nodes, Capture
 DECODE_NODE = """
 import json, sys
 sys.path[:0] = ["tests", "."]
-import kvobs, upstream
-from prometheus_client import CollectorRegistry
-from kvobs.integrations.vllm import use_observer
+import upstream
 import test_integration_vllm_support as s
 import test_integration_vllm_pd_support as pd
 
-endpoint, message = sys.argv[1], json.loads(sys.stdin.readline())
-provider = kvobs.configure_tracing("kvobs-vllm-decode", endpoint=endpoint, set_global=False)
-use_observer(kvobs.KVObserver("vllm-decode", lock=None, registry=CollectorRegistry(), tracer_provider=provider))
+message = json.loads(sys.stdin.readline())
 with upstream.require("vllm").active() as vllm:
     pd.REMOTE_BLOCKS.update({(message["engine_id"], int(b)): v for b, v in message["blocks"].items()})
-    scheduler = s.create(vllm, s.wrapper_config(vllm, pd.nixl_child("kv_consumer"), engine="vllm-decode"),
-                         role="SCHEDULER")
-    worker = s.create(vllm, s.wrapper_config(vllm, pd.simulated_worker_child(), engine="vllm-decode"))
+    options = {"engine": "vllm-decode", "tracing": True}  # spans exported as the OTEL_* variables say
+    scheduler = s.create(vllm, s.wrapper_config(vllm, pd.nixl_child("kv_consumer"), **options), role="SCHEDULER")
+    worker = s.create(vllm, s.wrapper_config(vllm, pd.simulated_worker_child(), **options))
     worker.register_kv_caches(s.layer_caches())
     request = pd.decode_request(message["request_id"], message["kv_transfer_params"])
     worker.bind_connector_metadata(pd.decode_schedule(vllm, scheduler, request, local_blocks=[6, 7]))
     worker.start_load_kv(None)
     print(json.dumps({k: sorted(v) for k, v in pd.receive_until(worker, request.request_id).items()}), flush=True)
-provider.shutdown()
 """
 
 
@@ -261,8 +256,9 @@ def test_one_trace_across_the_prefill_and_decode_processes(vllm: upstream.Upstre
 
 
 def _decode_node(endpoint: str, message: str) -> str:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run([sys.executable, "-c", DECODE_NODE, endpoint], input=message + "\n", capture_output=True,
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+           "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_SERVICE_NAME": "kvobs-vllm-decode"}
+    out = subprocess.run([sys.executable, "-c", DECODE_NODE], input=message + "\n", capture_output=True,
                          text=True, env=env, timeout=180, cwd=REPO, check=False)
     assert out.returncode == 0, out.stderr[-4000:]
     return out.stdout.strip().splitlines()[-1]

@@ -239,7 +239,7 @@ class Rig:
     """A worker-side KVObsConnector around the real OffloadingConnector, with its own observer."""
 
     def __init__(self, vllm: upstream.Upstream, *, integrity: str = "report", deadline: float = 30.0,
-                 tracer_provider: Any = None) -> None:
+                 check_every: int = 1, **observer_options: Any) -> None:
         from prometheus_client import CollectorRegistry
 
         import kvobs
@@ -248,11 +248,12 @@ class Rig:
         self.vllm = vllm
         self.records: list[Any] = []
         self.label = engine_label()
-        self.obs = kvobs.KVObserver(self.label, lock=None, registry=CollectorRegistry(), deadline=deadline,
-                                    hooks=[self.records.append], tracer_provider=tracer_provider)
+        observer_options.setdefault("lock", None)
+        self.obs = kvobs.KVObserver(self.label, registry=CollectorRegistry(), deadline=deadline,
+                                    hooks=[self.records.append], **observer_options)
         self._undo = use_observer(self.obs)
         self.connector = create(vllm, wrapper_config(vllm, offloading_child(), engine=self.label,
-                                                     integrity=integrity))
+                                                     integrity=integrity, check_every=check_every))
         self.caches = layer_caches()
 
     def register(self) -> Any:

@@ -49,7 +49,8 @@ def observer_for(options: Options) -> Any:
     with _lock:
         obs = _observers.get(options.engine)
         if obs is None:
-            obs = _observers[options.engine] = KVObserver(options.engine, lock=None, deadline=options.deadline)
+            obs = _observers[options.engine] = KVObserver(options.engine, lock=None, deadline=options.deadline,
+                                                          tracer_provider=_tracer_provider(options))
             _built.add(options.engine)
         elif options.engine in _built and options.deadline not in (None, obs.deadline):
             raise ValueError(
@@ -57,3 +58,13 @@ def observer_for(options: Options) -> Any:
                 f"deadline={obs.deadline}; give each configuration its own engine label"
             )
         return obs
+
+
+def _tracer_provider(options: Options) -> Any:
+    """With `tracing`, an OTLP exporter configured by the OTEL_* variables: vLLM's worker processes run no
+    code of the application's, so the connector is where kvobs tracing gets set up there."""
+    if not options.tracing:
+        return None
+    from kvobs import configure_tracing
+
+    return configure_tracing(set_global=False)

@@ -16,7 +16,9 @@ CONNECTOR = "connector"
 ENGINE = "engine"
 INTEGRITY = "integrity"
 DEADLINE = "deadline"
-KEYS = (CONNECTOR, ENGINE, INTEGRITY, DEADLINE)
+CHECK_EVERY = "check_every"
+TRACING = "tracing"
+KEYS = (CONNECTOR, ENGINE, INTEGRITY, CHECK_EVERY, DEADLINE, TRACING)
 
 # What a NaN/Inf finding does to vLLM:
 #   report: a corrupt load is reported to vLLM as a load failure (its kv_load_failure_policy then recomputes
@@ -38,7 +40,9 @@ class Options:
     connector: Mapping[str, Any]
     engine: str = "vllm"
     integrity: str = "report"
+    check_every: int = 1  # check one transfer in N
     deadline: float | None = None
+    tracing: bool = False  # export spans over OTLP, configured by the standard OTEL_* variables
 
 
 def read_options(extra_config: Mapping[str, Any] | None) -> Options:
@@ -51,7 +55,9 @@ def read_options(extra_config: Mapping[str, Any] | None) -> Options:
         connector=_connector(extra.get(CONNECTOR)),
         engine=_engine(extra.get(ENGINE, "vllm")),
         integrity=_integrity(extra.get(INTEGRITY, "report")),
+        check_every=_check_every(extra.get(CHECK_EVERY, 1)),
         deadline=_deadline(extra.get(DEADLINE)),
+        tracing=_tracing(extra.get(TRACING, False)),
     )
 
 
@@ -83,3 +89,15 @@ def _deadline(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"KVObsConnector deadline={value!r}: use a positive number of seconds")
     return float(value)
+
+
+def _check_every(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"KVObsConnector check_every={value!r}: use an int >= 1 (1 checks every transfer)")
+    return value
+
+
+def _tracing(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"KVObsConnector tracing={value!r}: use true or false")  # noqa: TRY004 - as above
+    return value

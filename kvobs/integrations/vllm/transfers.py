@@ -50,18 +50,25 @@ CORRUPT = _Marker("<kvobs: corrupt blocks>")
 
 def policy_for(mode: str) -> Any:
     """The kvobs integrity policy behind an integration mode (see `options.INTEGRITY_MODES`)."""
+    if mode == "off":
+        return False
     if mode == "report":
         return IntegrityPolicy("skip", skip_result=CORRUPT)
-    return False if mode == "off" else mode
+    return mode
 
 
 class Transfers:
-    """The integration's transfers on one observer; `cache` is what checks read (set once caches register)."""
+    """The integration's transfers on one observer; `cache` is what checks read (set once caches register).
 
-    def __init__(self, obs: Any, mode: str) -> None:
+    One transfer in `every` is checked. The choice is made here, once per transfer: a policy passed as
+    `obs.begin(check=...)` gets a fresh sampler on every call, so its own `every` would check them all.
+    """
+
+    def __init__(self, obs: Any, mode: str, every: int = 1) -> None:
         self.obs = obs
         self.mode = mode
-        self.check = policy_for(mode)
+        self._check = policy_for(mode)
+        self._sampler = IntegrityPolicy(every=every).sampler()
         self.cache: Any = None
         self._pending: CorruptKVError | None = None
 
@@ -70,7 +77,8 @@ class Transfers:
         """Begin a transfer now (a reading one's sources are checked now). Returns the bad source ids that
         `report` found (the transfer has then ended as failed), else (); `raise` raises them."""
         try:
-            self.obs.begin(path, check=self.check, key=key, request_id=request_id, block_ids=block_ids,
+            check = self._check if self._check is not False and self._sampler.should_check() else False
+            self.obs.begin(path, check=check, key=key, request_id=request_id, block_ids=block_ids,
                            group_sizes=group_sizes, cache=self.cache, trace_context=trace_context)
         except CorruptKVError as exc:
             if self.mode == "raise":

@@ -37,7 +37,7 @@ class WrapperMethods:
         child_cls, child_config, options = children.child_of(vllm_config)
         children.check_hma(type(self), child_config.kv_transfer_config)
         self._kvobs_wrapped = child_cls(child_config, role, kv_cache_config)
-        self._kvobs_transfers = transfers = Transfers(observer_for(options), options.integrity)
+        self._kvobs_transfers = transfers = Transfers(observer_for(options), options.integrity, options.check_every)
         self._kvobs_worker: WorkerSide | None = None
         self._kvobs_scheduler: SchedulerSide | None = None
         if role == base.KVConnectorRole.WORKER:
