@@ -192,6 +192,19 @@ def test_a_page_size_that_is_not_sglangs_is_refused(engine: Any) -> None:
         assert type(rig.controller.ack_load_queue) is list
 
 
+def test_a_class_instrumented_with_the_wrong_page_size_goes_on_unobserved(engine: Any) -> None:
+    with capture(engine="sglang", lock=None, page_size=2 * PAGE) as cap:
+        rig = HiCacheRig(engine, "plain")
+        undo = kvobs_sglang.instrument_hicache(cap.observer, type(rig.controller))  # before the server starts
+        slots = rig.allocator.alloc(PAGE)
+        assert rig.controller.write(slots, node_id=1) is not None  # SGLang's copy, unobserved
+        assert rig.controller.write(slots, node_id=2) is not None
+        undo()
+    (error,) = [e for e in cap.logs if e["event"].startswith("kvobs.sglang: a hook failed")]
+    assert error["stage"] == "attach" and f"page_size={2 * PAGE} is not SGLang's page size {PAGE}" in error["error"]
+    assert cap.value("kvobs_transfers_total", path=sc.PATH_WRITE_BACK, outcome="ok") == 0
+
+
 def _session(rig: HiCacheRig, radix: Any) -> list[Any]:
     """Write-backs, a load-back, a partial load and the acks, as the radix cache drives them; every return
     value, queue and KV byte recorded."""

@@ -67,6 +67,16 @@ class Controllers:
                 state = self._states.get(controller) or self._attach(controller)
         return state
 
+    def _observed(self, controller: Any) -> ControllerState | None:
+        """The controller's state; None (logged once) when it cannot be observed, e.g. a page size that is
+        not the observer's: a class instrumented before the server built its controller finds out only now,
+        inside SGLang, where the copy must go on unobserved rather than fail."""
+        try:
+            return self.state(controller)
+        except Exception as exc:  # noqa: BLE001
+            self._errors("attach", exc)
+            return None
+
     def _attach(self, controller: Any) -> ControllerState:
         ids = PageIds(self.obs.page_size, controller.page_size)
         writes = AckWatcher(sc.PATH_WRITE_BACK, self._errors)
@@ -89,9 +99,9 @@ class Controllers:
 
     def write(self, original: Callable[..., Any], controller: Any, device_indices: Any, *args: Any,
               **kwargs: Any) -> Any:
-        if getattr(self._inside, "on", False):
+        state = None if getattr(self._inside, "on", False) else self._observed(controller)
+        if state is None:
             return original(controller, device_indices, *args, **kwargs)
-        state = self.state(controller)
         try:
             t = self.obs.begin(sc.PATH_WRITE_BACK, block_ids=state.ids.from_slots(device_indices),
                                cache=state.cache, nbytes=state.nbytes(device_indices),
@@ -114,9 +124,9 @@ class Controllers:
 
     def load(self, original: Callable[..., Any], controller: Any, host_indices: Any, *args: Any,
              **kwargs: Any) -> Any:
-        if getattr(self._inside, "on", False):
+        state = None if getattr(self._inside, "on", False) else self._observed(controller)
+        if state is None:
             return original(controller, host_indices, *args, **kwargs)
-        state = self.state(controller)
         device_indices = self._call(original, controller, host_indices, *args, **kwargs)
         if device_indices is None or len(device_indices) == 0:
             return device_indices
