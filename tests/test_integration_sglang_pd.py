@@ -230,6 +230,20 @@ def test_the_observers_page_size_may_be_left_out(engine: Any, records: list) -> 
     assert send.bad_block_ids == (5,) and send.blocks == 3
 
 
+def test_a_cache_that_cannot_be_had_leaves_the_transfer_unobserved(engine: Any, records: list) -> None:
+    def broken(manager: Any) -> Any:
+        raise LookupError("no pool registered for this manager")
+
+    with capture(engine="sglang", lock=None, page_size=PAGE, hooks=[records.append]) as cap:
+        nodes = Nodes(engine)
+        undo = kvobs_sglang.instrument_pd(cap.observer, cache=broken)
+        assert nodes.transfer(SOURCE_PAGES) == (nodes.poll.Success, nodes.poll.Success)
+        undo()
+    assert not _ended(records, sc.PATH_SEND)
+    stages = {e["stage"] for e in cap.logs if e["event"].startswith("kvobs.sglang: a hook failed")}
+    assert stages == {"send_cache", "receive"}
+
+
 def test_the_failure_kvobs_records_pickles_with_its_fields() -> None:
     error = pickle.loads(pickle.dumps(CopyNotConfirmed(sc.PATH_SEND, "RDMA write failed")))
     assert (type(error), error.path, error.reason) == (CopyNotConfirmed, sc.PATH_SEND, "RDMA write failed")

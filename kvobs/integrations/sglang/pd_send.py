@@ -56,7 +56,11 @@ class Senders:
         if sender.conclude_state is not None:
             return original(sender, kv_indices, *args, **kwargs)  # concluded: SGLang returns at once
         state = self._state(sender)
-        view = self._caches.of(sender.kv_mgr)
+        try:
+            view = self._caches.of(sender.kv_mgr)
+        except Exception as exc:  # noqa: BLE001 - a cache that cannot be had: the send goes on unobserved
+            self._errors("send_cache", exc)
+            return original(sender, kv_indices, *args, **kwargs)
         try:
             t = self.obs.begin(sc.PATH_SEND, block_ids=view.ids.from_pages(kv_indices), cache=view.cache,
                                request_id=sender.bootstrap_room, trace_context=state.carrier)
