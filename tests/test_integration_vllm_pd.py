@@ -262,3 +262,12 @@ def _decode_node(endpoint: str, message: str) -> str:
                          text=True, env=env, timeout=180, cwd=REPO, check=False)
     assert out.returncode == 0, out.stderr[-4000:]
     return out.stdout.strip().splitlines()[-1]
+
+
+
+def test_null_blocks_of_a_sliding_window_group_are_left_out() -> None:
+    """vLLM pads a sliding-window group's blocks with the null block 0: nothing moves there."""
+    from kvobs.integrations.vllm.receive import flat, per_group
+
+    assert flat(per_group(([4, 5], [0, 0, 6]))) == ([4, 5, 6], [2, 1])
+    assert flat(per_group([7, 8])) == ([7, 8], [2])

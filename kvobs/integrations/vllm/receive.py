@@ -16,13 +16,15 @@ from kvobs import semconv as sc
 from kvobs.integrations.vllm.offloading import LoadFailure
 from kvobs.integrations.vllm.transfers import EngineReportedFailure, Transfers
 
+NULL_BLOCK = 0  # vLLM's placeholder for a block a KV group does not hold (e.g. out of a sliding window)
+
 
 def per_group(block_ids: Any) -> list[list[int]]:
-    """vLLM's BlockIds (a list per KV group, or one flat list) as a list per group."""
+    """vLLM's BlockIds (a list per KV group, or one flat list) as a list per group, without null blocks."""
     groups = list(block_ids or ())
     if groups and not isinstance(groups[0], (list, tuple)):
-        return [[int(b) for b in groups]]
-    return [[int(b) for b in group] for group in groups]
+        groups = [groups]
+    return [[int(b) for b in group if int(b) != NULL_BLOCK] for group in groups]
 
 
 def flat(groups: list[list[int]]) -> tuple[list[int], list[int]]:
