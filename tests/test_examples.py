@@ -22,7 +22,9 @@ def dead_endpoint() -> str:
         return f"http://127.0.0.1:{s.getsockname()[1]}"  # closed again: nothing listens there
 
 
-def run_example(name: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess:
+def run_example(name: str, timeout: float = 180, **env: str) -> subprocess.CompletedProcess:
+    """Run one example; generous timeout: the SGLang example imports SGLang's modules (tens of seconds on a
+    loaded machine, and a download of the wheel into the tests' cache the first time)."""
     full_env = {**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": dead_endpoint(), **env}
     full_env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     return subprocess.run(
