@@ -35,6 +35,9 @@ def run_example(name: str, timeout: float = 180, **env: str) -> subprocess.Compl
 @pytest.mark.parametrize("script", sorted(p.name for p in EXAMPLES.glob("*.py")))
 def test_every_example_runs(script):
     proc = run_example(script)
+    unavailable = "cannot be had" in proc.stderr  # an engine example offline, without the engine's wheel
+    if proc.returncode and unavailable and os.environ.get("CI", "").lower() != "true":
+        pytest.skip(proc.stderr.strip().splitlines()[-1])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr
 
