@@ -138,16 +138,16 @@ class ForwardPass:
             return True
         if not task.started.is_set():
             return False
-        if self.prefix_probe is not None and not self._probe(task.gpu_block_ids):
+        probe = self.prefix_probe
+        if probe is not None and not self._probe(probe, task.gpu_block_ids):
             return False
         req.prefix_free = True
         return True
 
-    def _probe(self, block_ids: list[int]) -> bool:
+    def _probe(self, probe: PrefixProbe, block_ids: list[int]) -> bool:
         """Ask the block lock whether the prefix is free; timed apart from the step's own lock wait."""
-        assert self.prefix_probe is not None
         started = time.perf_counter()
-        free = self.prefix_probe.free(block_ids)
+        free = probe.free(block_ids)
         self.stats.probed(time.perf_counter() - started, free)
         return free
 
