@@ -2,10 +2,12 @@
 
 Usage: python benchmarks/integrity.py [--device cpu|cuda] [--repeats 9] [--threads N]
 
-GB/s = bytes of the checked blocks / median wall time (warm-up first). Contenders that read in place are
-interleaved round by round, so that noise from other processes hits them alike; the ones that allocate a
-copy per call (the naive check, gathers) run apart, in fewer rounds, so that their page faults and cache
-pollution do not land on the others.
+GB/s = bytes of the checked blocks / median wall time (warm-up first). Every timed call starts cold: a
+256 MiB scratch buffer is read first (untimed), so no contender finds its bytes in the CPU caches left by
+the previous round (the hosts of this machine class can have L3 caches larger than the 32 MiB selections).
+Contenders that read in place are interleaved round by round, so that noise from other processes hits them
+alike; the ones that allocate a copy per call (the naive check, gathers) run apart, in fewer rounds, so
+that their page faults do not land on the others.
 - kvobs: `check_blocks(validated_cache, ids)` as the guard runs it (compiled kernel on CPU when numba is
   installed, else the torch path);
 - kvobs torch path: the same check forced onto the pure-torch path (`method="torch"`);
@@ -18,6 +20,7 @@ blocks of the same cache. The target lines compare ratios measured in this run.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -30,12 +33,15 @@ MiB = 1 << 20
 BLOCK_SHAPE = (64, 8, 128)  # tokens per block, kv heads, head dim
 NUM_BLOCKS = 4096
 RANDOM_BLOCKS = 256
+SCRATCH_BYTES = 256 * MiB
 
 
 def measure(fns: dict[str, Callable[[], object]], nbytes: int, device: str, repeats: int) -> dict[str, float]:
-    """GB/s per contender: median over `repeats` interleaved rounds."""
+    """GB/s per contender: median over `repeats` interleaved rounds, each call after a cache eviction."""
+    scratch = _scratch(device)
 
     def once(fn: Callable[[], object]) -> float:
+        scratch.max().item()  # untimed: evicts the caches
         start = time.perf_counter()
         fn()
         if device == "cuda":
@@ -49,6 +55,11 @@ def measure(fns: dict[str, Callable[[], object]], nbytes: int, device: str, repe
         for name, fn in fns.items():
             times[name].append(once(fn))
     return {name: nbytes / statistics.median(ts) / 1e9 for name, ts in times.items()}
+
+
+@functools.cache
+def _scratch(device: str) -> torch.Tensor:
+    return torch.ones(SCRATCH_BYTES, dtype=torch.uint8, device=device)
 
 
 def row(case: str, nbytes: int, kvobs: float, torch_path: float | None, isfinite: float, total: float) -> str:
