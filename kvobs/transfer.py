@@ -120,7 +120,10 @@ class Transfer:
             self.reject(exc)
             raise
         blocks = self.blocks
-        self.claim = route.whole_cache if blocks is None else Claim(self.path, blocks.distinct, not route.reads_blocks)
+        if blocks is None:
+            self.claim = route.whole_cache
+        else:  # an empty list of blocks claims nothing: there is nothing to protect
+            self.claim = Claim(self.path, blocks.distinct, not route.reads_blocks) if blocks.distinct else None
         return self
 
     def reject(self, exc: BaseException) -> None:
@@ -142,13 +145,14 @@ class Transfer:
         `skipped` then says so, instead of CorruptKVError being raised.
         """
         route = self._start_waiting()
-        acquired = route.lock.acquire_into(self._held, self.claim, route.lock_timeout, route.conflicted)
+        claim = self.claim
+        acquired = claim is None or route.lock.acquire_into(self._held, claim, route.lock_timeout, route.conflicted)
         self._after_wait(acquired, skippable)
 
     async def acquire_async(self, *, skippable: bool = False) -> None:
         """`acquire` without blocking the event loop; cancelling it never leaves the lock held."""
         route = self._start_waiting()
-        acquired = await async_wait.acquire_async(
+        acquired = self.claim is None or await async_wait.acquire_async(
             route.lock, self._held, self.claim, route.lock_timeout, route.conflicted
         )
         self._after_wait(acquired, skippable)
@@ -168,6 +172,8 @@ class Transfer:
     def _refuse_reentry(self) -> None:
         lock = self.route.lock
         for other in active.ACTIVE.get():
+            if self.claim is None or other.claim is None:
+                continue  # claims nothing: cannot wait for itself
             if other.route.lock is lock and other.holds() and lock.overlaps(other.claim, self.claim):
                 exc = ReentrantLockError(lock.name, self.path, other.path)
                 self.reject(exc)

@@ -327,3 +327,15 @@ def test_forward_pass_lock_section_is_timed_beside_the_transfers(cap):
         sc.LOCK_TIMEOUTS_TOTAL, {"engine": "fw", "lock": "thread", "path": "forward"}) == 1
     with pytest.raises(ValueError, match="holder='bad holder' is not declared"):
         obs.locked("bad holder")
+
+
+def test_an_empty_list_of_blocks_claims_nothing(cap, tmp_path):
+    """Nothing to protect: an empty transfer or forward step neither takes nor waits for the lock."""
+    lock = kvobs.BlockLock("empty", 16, directory=tmp_path)
+    obs = kvobs.KVObserver("empty", registry=cap.registry, lock=lock, lock_timeout=0.5, integrity=None)
+    whole = obs.begin("prefetch")  # no block ids at all: the whole cache
+    with obs.hold("forward", block_ids=[]):
+        with obs.transfer("send", block_ids=[]):
+            pass
+    whole.complete()
+    assert lock.blocks_claimed() == {"shared": 0, "exclusive": 0}
