@@ -36,7 +36,10 @@ class WrapperMethods:
         base.KVConnectorBase_V1.__init__(self, vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
         child_cls, child_config, options = children.child_of(vllm_config)
         children.check_hma(type(self), child_config.kv_transfer_config)
-        self._kvobs_wrapped = child_cls(child_config, role, kv_cache_config)
+        self._kvobs_wrapped = wrapped = child_cls(child_config, role, kv_cache_config)
+        # Called once per layer per step: the wrapped connector's own bound methods, with no frame of ours.
+        self.wait_for_layer_load = wrapped.wait_for_layer_load
+        self.save_kv_layer = wrapped.save_kv_layer
         self._kvobs_transfers = transfers = Transfers(observer_for(options), options.integrity, options.check_every)
         self._kvobs_worker: WorkerSide | None = None
         self._kvobs_scheduler: SchedulerSide | None = None
