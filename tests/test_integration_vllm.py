@@ -315,19 +315,35 @@ def test_nothing_in_the_options_needs_more_than_json(vllm: upstream.Upstream) ->
     assert NUM_BLOCKS == 8
 
 
-def test_the_examples_configurations_are_accepted_by_vllm(vllm: upstream.Upstream) -> None:
-    """examples/vllm_connector.py prints them for `vllm serve`; vLLM's own config and factory take them."""
+def _example(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
     import importlib.util
 
     path = Path(__file__).resolve().parents[1] / "examples" / "vllm_connector.py"
     spec = importlib.util.spec_from_file_location("vllm_connector_example", path)
     example = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, example)  # vLLM imports its offloading spec by module name
     spec.loader.exec_module(example)
-    for child, role in ((example.OFFLOADING, "kv_both"), ({"kv_connector": "NixlConnector"}, "kv_producer")):
-        config = vllm_config(vllm, **example.kvobs_transfer_config(child, role))
-        connector = create(vllm, config, role="SCHEDULER")
-        assert type(connector.kvobs_wrapped).__name__ == ("OffloadingConnector" if role == "kv_both"
-                                                          else "NixlPullConnector")
+    return example
+
+
+def test_the_examples_configurations_are_accepted_by_vllm(
+        vllm: upstream.Upstream, monkeypatch: pytest.MonkeyPatch) -> None:
+    """examples/vllm_connector.py prints them for `vllm serve`; vLLM's own config and factory take them."""
+    example = _example(monkeypatch)
+    for name, wrapped in (("CPU offloading", "OffloadingConnector"), ("prefill node", "NixlPullConnector"),
+                          ("decode node", "NixlPullConnector")):
+        connector = create(vllm, vllm_config(vllm, **example.SETUPS[name]), role="SCHEDULER")
+        assert type(connector.kvobs_wrapped).__name__ == wrapped
+
+
+def test_the_example_runs_on_the_real_offloading_connector(
+        vllm: upstream.Upstream, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    _example(monkeypatch).main()
+    out = capsys.readouterr().out
+    assert "load of a clean block, bad blocks: set()" in out
+    assert "load from where the NaN store was left out, bad blocks: {7}" in out
+    assert 'kvobs_transfers_total{engine="vllm-example",outcome="error",path="write_back"} 1.0' in out
+    assert 'kvobs_transfers_total{engine="vllm-example",outcome="error",path="prefetch"} 1.0' in out
 
 
 def test_shutdown_puts_the_offloading_workers_methods_back(vllm: upstream.Upstream) -> None:

@@ -113,6 +113,17 @@ def test_a_nan_store_is_not_submitted_completes_and_its_destination_is_never_ser
     rig.step(load_jobs={22: load_job(vllm, "req-6", host=[9], device=[4])})
     seen = rig.results_until(request_id="req-6")
     assert seen["invalid"] == {4}
+    assert rig.outcomes(sc.PATH_PREFETCH) == [(22, sc.OUTCOME_ERROR)]
+    assert "a corrupt store was left out" in str(rig.records[-1].error)
+    # a clean store to the same place makes it loadable again
+    rig.caches["layer.0"][3] = 1.0
+    rig.step(store_jobs={23: store_job(vllm, "req-5", device=[3], host=[9])}, save=True)
+    rig.connector.clear_connector_metadata()
+    rig.step()
+    rig.results_until(job_id=23)
+    rig.step(load_jobs={24: load_job(vllm, "req-6", host=[9], device=[5])})
+    assert rig.results_until(request_id="req-6")["invalid"] == set()
+    assert rig.outcomes(sc.PATH_PREFETCH)[-1] == (24, sc.OUTCOME_OK)
 
 
 @pytest.mark.parametrize("rig", [{"integrity": "raise"}], indirect=True)

@@ -21,7 +21,11 @@ from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 from kvobs import semconv as sc
-from kvobs.integrations.vllm.transfers import EngineReportedFailure, Transfers
+from kvobs.integrations.vllm.transfers import (
+    EngineReportedFailure,
+    StaleSource,
+    Transfers,
+)
 
 
 class LoadFailure(NamedTuple):
@@ -151,10 +155,13 @@ class OffloadingWatch:
         if not success:
             self.transfers.fail(path, job_id, EngineReportedFailure(path, job_id, "TransferResult.success is False"))
             return
+        if load is not None and load.stale_source:
+            self.transfers.fail(path, job_id, StaleSource(job_id))
+            self.failures.append(LoadFailure(load.request_id, load.destination, load.sync))
+            return
         bad = self.transfers.complete(path, job_id)
-        if load is not None and (bad or load.stale_source):
-            blocks = load.destination if load.stale_source else bad
-            self.failures.append(LoadFailure(load.request_id, tuple(blocks), load.sync))
+        if load is not None and bad:
+            self.failures.append(LoadFailure(load.request_id, tuple(bad), load.sync))
 
     def _wait(self, original: Callable[[Any], None]) -> Callable[[Any], None]:
         def wait(job_ids: Any) -> None:

@@ -29,6 +29,17 @@ class EngineReportedFailure(KVObsError):
         return type(self), (self.path, self.key, self.reason)
 
 
+class StaleSource(KVObsError):
+    """A load read from where a corrupt store was left out: what it brought is not what vLLM thinks it is."""
+
+    def __init__(self, key: Any) -> None:
+        super().__init__(f"load {key!r} read from where a corrupt store was left out: its data is stale")
+        self.key = key
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.key,)
+
+
 class _Marker:
     """A result no engine returns, kept as it is by the policy's copy of its skip result."""
 
