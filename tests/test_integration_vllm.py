@@ -28,6 +28,7 @@ from test_integration_vllm_support import (
     Rig,
     backend,
     create,
+    default_engine_observer,  # noqa: F401  (autouse fixture)
     layer_caches,
     load_job,
     offloading_child,
@@ -329,10 +330,21 @@ def _example(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
 def test_the_examples_configurations_are_accepted_by_vllm(
         vllm: upstream.Upstream, monkeypatch: pytest.MonkeyPatch) -> None:
     """examples/vllm_connector.py prints them for `vllm serve`; vLLM's own config and factory take them."""
+    from kvobs import KVObserver
+    from kvobs.integrations.vllm import use_observer
+
     example = _example(monkeypatch)
     for name, wrapped in (("CPU offloading", "OffloadingConnector"), ("prefill node", "NixlPullConnector"),
                           ("decode node", "NixlPullConnector")):
-        connector = create(vllm, vllm_config(vllm, **example.SETUPS[name]), role="SCHEDULER")
+        config = example.SETUPS[name]
+        engine = config["kv_connector_extra_config"]["engine"]
+        # an observer on a registry of its own (the autouse fixture's for "vllm"), not on the global one
+        undo = (lambda: None) if engine == "vllm" else use_observer(
+            KVObserver(engine, lock=None, registry=CollectorRegistry()))
+        try:
+            connector = create(vllm, vllm_config(vllm, **config), role="SCHEDULER")
+        finally:
+            undo()
         assert type(connector.kvobs_wrapped).__name__ == wrapped
 
 

@@ -12,7 +12,14 @@ from collections.abc import Iterator
 import pytest
 import torch
 import upstream
-from test_integration_vllm_support import Rig, as_bytes, load_job, store_job, wait_until
+from test_integration_vllm_support import (
+    Rig,
+    as_bytes,
+    default_engine_observer,  # noqa: F401  (autouse fixture)
+    load_job,
+    store_job,
+    wait_until,
+)
 from upstream import vllm  # noqa: F401  (the fixture)
 
 from kvobs import semconv as sc

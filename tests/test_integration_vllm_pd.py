@@ -35,6 +35,7 @@ from test_integration_vllm_pd_support import (
 )
 from test_integration_vllm_support import (
     create,
+    default_engine_observer,  # noqa: F401  (autouse fixture)
     engine_label,
     layer_caches,
     wait_until,

@@ -14,8 +14,10 @@ import itertools
 import threading
 import time
 import types
+from collections.abc import Iterator
 from typing import Any
 
+import pytest
 import torch
 import upstream
 
@@ -27,6 +29,21 @@ NUM_BLOCKS = 8
 HOST_BLOCKS = 16
 BLOCK_SHAPE = (2, 16, 2, 8)  # one layer's block: (K/V, tokens, heads, head size), float32: 2048 bytes
 _labels = itertools.count()
+
+
+@pytest.fixture(autouse=True)
+def default_engine_observer() -> Iterator[Any]:
+    """Connectors configured without an engine label use "vllm": give them an observer on a registry of their
+    own, so no test leaves an observer on prometheus_client's global registry."""
+    from prometheus_client import CollectorRegistry
+
+    import kvobs
+    from kvobs.integrations.vllm import use_observer
+
+    obs = kvobs.KVObserver("vllm", lock=None, registry=CollectorRegistry())
+    undo = use_observer(obs)
+    yield obs
+    undo()
 
 
 def wait_until(condition: Any, timeout: float = 10.0) -> None:
