@@ -155,10 +155,14 @@ class KVObserver:
         `group_sizes`, `trace_context`): begun on entry, completed on a clean exit, failed otherwise."""
         return self._validated(self._route_for(path, check), values)
 
-    def begin(self, path: str, *, check: Any = None, **values: Any) -> Transfer:
+    def begin(self, path: str, *, check: Any = None, skippable: bool = False, **values: Any) -> Transfer:
         """Begin a transfer now and hold the lock until `t.complete(...)` / `t.fail(exc)` is called, from any
-        thread, or the deadline passes. With `key=`, `obs.complete(path, key)` finds it too."""
-        return self._validated(self._route_for(path, check), values).start()
+        thread, or the deadline passes. With `key=`, `obs.complete(path, key)` finds it too.
+
+        skippable: when the sources of a reading transfer are corrupt and the policy is `skip` (or
+        `on_corrupt` decides), return with `t.skipped` true instead of raising: the caller leaves its copy
+        out and ends the transfer with `t.skip()` (counted `rejected`)."""
+        return self._validated(self._route_for(path, check), values).start(skippable=skippable)
 
     def hold(self, holder: str = sc.HOLDER_FORWARD, *, block_ids: Any = None) -> Transfer:
         """The cache lock for a holder that is not a transfer, as a `with` block (values, not specs)."""
@@ -196,6 +200,7 @@ class KVObserver:
             TelemetryFailures(self.engine, None, self.logger) if self.metrics is None
             else self.metrics.count_telemetry_error)
         self._routes = {p: self._route(p) for p in self.paths}
+        self._variants: dict[tuple[str, Any], Route] = {}
         self._holder_routes = {h: self._holder_route(h) for h in self.holders}
 
     def _engine_metrics(self, registry: CollectorRegistry | None, buckets: Iterable[float] | None) -> Any:
@@ -251,11 +256,20 @@ class KVObserver:
         )
 
     def _route_for(self, path: str, check: Any) -> Route:
+        """The path's route, or its variant with another integrity policy, built once per policy so that a
+        sampling policy (`every=N`, `fraction`) samples across calls."""
         route = self._routes[self._known_path(path, "path")]
         if check is None:
             return route
-        policy = None if check is False else config.policy(check)
-        return dataclasses.replace(route, policy=policy, sampler=policy.sampler() if policy is not None else None)
+        # by identity for a policy object (the route keeps it alive): equal policies may differ in skip_result
+        key = (path, check if isinstance(check, (str, bool)) else id(check))
+        variant = self._variants.get(key)
+        if variant is None:
+            policy = None if check is False else config.policy(check)
+            variant = dataclasses.replace(route, policy=policy,
+                                          sampler=policy.sampler() if policy is not None else None)
+            self._variants[key] = variant
+        return variant
 
     def _holder_route_for(self, holder: str) -> Route:
         route = self._holder_routes.get(holder)

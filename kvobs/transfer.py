@@ -240,12 +240,12 @@ class Transfer:
 
     # -- `with obs.transfer(...)` / `async with` ------------------------------------------------------------
 
-    def start(self, *, in_context: bool = False) -> Transfer:
+    def start(self, *, in_context: bool = False, skippable: bool = False) -> Transfer:
         """Acquire now (`obs.begin`, `with`); if that fails in any way, nothing stays held and the failure is
         recorded. `in_context`: the code that follows runs under the transfer (a with-block)."""
         self._refuse_reuse()
         try:
-            self.acquire()
+            self.acquire(skippable=skippable)
             if in_context:
                 active.enter(self)
         except BaseException as exc:

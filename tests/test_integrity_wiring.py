@@ -217,3 +217,25 @@ def test_checks_run_in_disabled_mode_without_telemetry(registry):
         write_back([0])
     assert write_back([1]) == "written"
     assert registry.get_sample_value(sc.NAN_CHECKS_TOTAL, {"engine": "quiet", "path": "write_back", "result": "nan"}) is None
+
+
+def test_a_sampling_policy_given_per_call_samples_across_calls():
+    cache = kv_cache()
+    every_other = IntegrityPolicy("raise", every=2)
+    with observer(None) as cap:
+        for _ in range(4):
+            cap.observer.begin("send", block_ids=[1], cache=cache, check=every_other).complete()
+        assert cap.value(sc.NAN_CHECKS_TOTAL, path="send", result="clean") == 2
+
+
+def test_begin_can_leave_a_corrupt_copy_out_instead_of_raising():
+    cache = kv_cache()
+    cache[2] = float("nan")
+    with observer(IntegrityPolicy("skip", skip_result="not stored")) as cap:
+        t = cap.observer.begin("write_back", block_ids=[2], cache=cache, skippable=True)
+        assert t.skipped
+        assert t.skip() == "not stored"
+        assert cap.value(sc.TRANSFERS_TOTAL, path="write_back", outcome="rejected") == 1
+        with pytest.raises(CorruptKVError):  # without skippable, the caller's code cannot be left out
+            cap.observer.begin("write_back", block_ids=[2], cache=cache)
+        assert lock_is_free(cap.observer.lock)
