@@ -4,22 +4,31 @@ The public names, nothing else. Importing kvobs changes no process-wide telemetr
 import torch.
 """
 
-from kvobs.version import __version__
 from kvobs.block_lock import BlockLock
-from kvobs.errors import CorruptKVError, KVObsError, LockTimeout, ReentrantLockError, TransferRejected
+from kvobs.errors import (
+    CorruptKVError,
+    DuplicateEngine,
+    KVObsError,
+    LockTimeout,
+    MetricNameConflict,
+    MultiprocessDirError,
+    ReentrantLockError,
+    SignalBufferFull,
+    TransferRejected,
+)
 from kvobs.guard import Guard
 from kvobs.instrument import Instrumentation, instrument
 from kvobs.integrity import CheckResult, check_blocks
 from kvobs.locks import NullLock, ProcessLock, ThreadLock
 from kvobs.observer import KVObserver
 from kvobs.policy import IntegrityPolicy
-from kvobs.signals import EarlySignalBuffer, ReadySignal
-from kvobs.errors import DuplicateEngine, MetricNameConflict, MultiprocessDirError
+from kvobs.signals import EarlySignalBuffer, Progress, ReadySignal, StepAlignedSignalBuffer
 from kvobs.telemetry.exposition import start_metrics_server
 from kvobs.telemetry.logs import add_trace_context
 from kvobs.telemetry.recorder import TransferRecord
 from kvobs.telemetry.tracing import configure_tracing
 from kvobs.transfer import Transfer
+from kvobs.version import __version__ as __version__
 
 __all__ = [
     "BlockLock",
@@ -37,8 +46,11 @@ __all__ = [
     "MultiprocessDirError",
     "NullLock",
     "ProcessLock",
+    "Progress",
     "ReadySignal",
     "ReentrantLockError",
+    "SignalBufferFull",
+    "StepAlignedSignalBuffer",
     "ThreadLock",
     "Transfer",
     "TransferRecord",

@@ -21,7 +21,7 @@ from kvobs.cache_checks import CacheCheck
 from kvobs.guard import Guard
 from kvobs.locks import CacheLock
 from kvobs.open_transfers import OpenTransfers
-from kvobs.signals import EarlySignalBuffer
+from kvobs.signals import EarlySignalBuffer, StepAlignedSignalBuffer
 from kvobs.telemetry.engine_metrics import EngineMetrics
 from kvobs.telemetry.families import MetricFamilies
 from kvobs.telemetry.failures import TelemetryFailures
@@ -187,6 +187,12 @@ class KVObserver:
         """An EarlySignalBuffer reporting through this observer's metrics and logger."""
         options.setdefault("log_level", self.log_level)
         return EarlySignalBuffer(metrics=self.metrics, logger=self.logger, **options)
+
+    def step_aligned_signal_buffer(self, **options: Any) -> StepAlignedSignalBuffer:
+        """A StepAlignedSignalBuffer for one tensor-parallel rank, reporting through this observer's metrics
+        and logger: calls only record, `end_step()` decides, identically on every rank."""
+        options.setdefault("log_level", self.log_level)
+        return StepAlignedSignalBuffer(metrics=self.metrics, logger=self.logger, **options)
 
     # -- wiring ----------------------------------------------------------------------------------------------
 
