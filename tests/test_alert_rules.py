@@ -39,6 +39,7 @@ REQUIRED_ALERTS = {
     "KvobsLockHeldTooLong": sc.LOCK_HELD_SECONDS,
     "KvobsTransferErrorRatioHigh": "kvobs:transfer_error_ratio:rate5m",
     "KvobsSignalsExpiring": sc.SIGNALS_TOTAL,
+    "KvobsSignalsRefused": sc.SIGNALS_TOTAL,
     "KvobsTargetDown": "up",
 }
 SEVERITIES = {"critical", "warning"}

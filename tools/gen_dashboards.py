@@ -360,7 +360,8 @@ def signals() -> dict:
     lay.add(timeseries(
         "Signal outcomes per second",
         "ready (task already registered), buffered, recovered (buffered then matched), dropped_invalid, "
-        "dropped_finished, expired, overflow.",
+        "dropped_finished, expired, overflow, refused (a registration beyond max_slots, or a step record "
+        "full: finish() or end_step() missing).",
         [target(f"sum by ({OUTCOME}) ({rate(sc.SIGNALS_TOTAL)})", "{{outcome}}")], "ops", stack=True), w=12)
     lay.add(timeseries(
         "Time buffered p50 / p99",
