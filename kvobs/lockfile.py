@@ -21,6 +21,7 @@ import os
 import re
 import stat
 import tempfile
+from collections.abc import Callable
 
 from kvobs.errors import InvalidLockName, UnsafeLockFile
 from kvobs.semconv import ENV_LOCK_DIR
@@ -75,10 +76,7 @@ def private_directory(base: str | None = None) -> str:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
-        if os.path.islink(path):
-            raise UnsafeLockFile(path, "a symlink was found at the lock directory path") from exc
-        if os.path.lexists(path) and not os.path.isdir(path):
-            raise UnsafeLockFile(path, "it is not a directory") from exc
+        _refuse_unsafe_entry(path, exc, "lock directory path", "directory", os.path.isdir)
         raise
     try:
         info = os.fstat(fd)
@@ -164,11 +162,17 @@ def _open(path: str, create: bool) -> tuple[int, bool]:
             path,
         ) from None
     except OSError as exc:
-        if os.path.islink(path):
-            raise UnsafeLockFile(path, "a symlink was found at the lock path") from exc
-        if os.path.lexists(path) and not os.path.isfile(path):
-            raise UnsafeLockFile(path, "it is not a regular file") from exc
+        _refuse_unsafe_entry(path, exc, "lock path", "regular file", os.path.isfile)
         raise
+
+
+def _refuse_unsafe_entry(path: str, error: OSError, place: str, kind: str, is_kind: Callable[[str], bool]) -> None:
+    """After opening `path` failed with `error` (``O_NOFOLLOW`` refuses a symlink): UnsafeLockFile when a
+    symlink, or an entry that is not a `kind`, is what stands there."""
+    if os.path.islink(path):
+        raise UnsafeLockFile(path, f"a symlink was found at the {place}") from error
+    if os.path.lexists(path) and not is_kind(path):
+        raise UnsafeLockFile(path, f"it is not a {kind}") from error
 
 
 def _problem(info: os.stat_result, adopt: bool) -> str:
