@@ -66,7 +66,13 @@ def outcome_count(registry: CollectorRegistry, outcome: str, engine: str = ENGIN
 
 
 def counts(registry: CollectorRegistry, engine: str = ENGINE) -> dict[str, float]:
-    return {o: outcome_count(registry, o, engine) for o in sc.SIGNAL_OUTCOMES}
+    """Every outcome's count, from one scrape."""
+    found = dict.fromkeys(sc.SIGNAL_OUTCOMES, 0.0)
+    for metric in registry.collect():
+        for sample in metric.samples:
+            if sample.name == sc.SIGNALS_TOTAL and sample.labels["engine"] == engine:
+                found[sample.labels["outcome"]] = sample.value
+    return found
 
 
 def telemetry_errors(registry: CollectorRegistry, stage: str, engine: str = ENGINE) -> float:

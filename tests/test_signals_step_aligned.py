@@ -8,6 +8,7 @@ import threading
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from test_signals import FakeClock, RecordingLogger, counts, make_metrics, nothing_but, outcome_count
 
 from kvobs import semconv as sc
@@ -15,6 +16,8 @@ from kvobs.signals import EarlySignalBuffer, Progress, ReadySignal, SignalBuffer
 from kvobs.signals.reporting import ATTR_WAITED_S
 
 RANKS = 4
+FEW_SLOTS = st.integers(0, 3)  # few slots and small counts: repeats, ties and full bounds come often
+MAX_PENDING, MAX_SLOTS, TTL_STEPS = 3, 3, 2
 
 
 def interleave(events: list[tuple], rng: random.Random) -> list[tuple]:
@@ -310,3 +313,110 @@ def test_bad_inputs_record_nothing():
     assert buf.signal_batch(0, [1, 2], [3, 4], count=-1) is None
     buf.signal_batch(0, [1, 2], [3, 4], count=1)
     assert buf.end_step() == [] and buf.pending_count == 1
+
+
+class StepAlignedAgainstImmediate(RuleBasedStateMachine):
+    """A StepAlignedSignalBuffer against an EarlySignalBuffer fed each step's events in the canonical order
+    (expire, then registrations and finishes slot by slot, then each slot's merged signals), with time counted
+    in steps on both: same batches and counts at every step, same state after every call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.registry, metrics = make_metrics("step")
+        self.reference_registry, reference_metrics = make_metrics("immediate")
+        self.step_clock, self.clock = FakeClock(0.0), FakeClock(0.0)
+        self.buf = StepAlignedSignalBuffer(metrics=metrics, clock=self.step_clock, ttl_steps=TTL_STEPS,
+                                           max_pending=MAX_PENDING, max_slots=MAX_SLOTS)
+        self.reference = EarlySignalBuffer(metrics=reference_metrics, clock=self.clock, ttl_s=TTL_STEPS,
+                                           max_pending=MAX_PENDING, max_slots=MAX_SLOTS)
+        self.calls: list[tuple[int, int | None]] = []  # this step's registrations (need) and finishes (None)
+        self.signals: dict[int, list[int]] = {}  # slot -> [layer0 tokens, furthest (tokens, layer) of layers > 0]
+        self.refused_when_recorded = 0  # calls beyond the step record: refused by the step buffer alone
+        self.overflow_when_recorded = 0  # slots beyond max_pending signalling in one step: the same
+        self.staged: set[int] = set()  # the slots the step buffer keeps signals of this step
+
+    @rule(slot=FEW_SLOTS, layer=st.integers(0, 3), tokens=st.integers(0, 5))
+    def signal(self, slot, layer, tokens):
+        self.buf.signal(slot, layer, tokens)
+        self._model_signal(slot, layer, tokens)
+
+    @rule(layer=st.integers(0, 1), batch=st.lists(st.tuples(FEW_SLOTS, st.integers(0, 5)), max_size=4))
+    def signal_batch(self, layer, batch):
+        self.buf.signal_batch(layer, [s for s, _ in batch], [t for _, t in batch])
+        for slot, tokens in batch:
+            self._model_signal(slot, layer, tokens)
+
+    def _model_signal(self, slot: int, layer: int, tokens: int) -> None:
+        if slot not in self.staged:  # a full step record keeps the lowest slots: one overflow per call beyond
+            if len(self.staged) >= MAX_PENDING:
+                self.overflow_when_recorded += 1
+                if slot > max(self.staged):
+                    return
+                self.staged.remove(max(self.staged))
+            self.staged.add(slot)
+        merged = self.signals.setdefault(slot, [-1, (-1, -1)])
+        if layer == 0:
+            merged[0] = max(merged[0], tokens)
+        else:
+            merged[1] = max(merged[1], (tokens, layer))
+
+    @rule(slot=FEW_SLOTS, need=st.integers(0, 5))
+    def register(self, slot, need):
+        own = [n for s, n in self.calls if s == slot]
+        if own[-1] is not None if own else slot in self.buf.registered_slots():
+            with pytest.raises(ValueError, match="already registered"):
+                self.buf.register(slot, need)
+        else:
+            self._record(slot, need, self.buf.register)
+
+    @rule(slot=FEW_SLOTS)
+    def finish(self, slot):
+        self._record(slot, None, lambda s, _: self.buf.finish(s))
+
+    def _record(self, slot: int, need: int | None, call) -> None:
+        if len(self.calls) >= 2 * MAX_SLOTS:
+            self.refused_when_recorded += 1
+            with pytest.raises(SignalBufferFull):
+                call(slot, need)
+        else:
+            call(slot, need)
+            self.calls.append((slot, need))
+
+    @rule()
+    def end_step(self):
+        self.step_clock.advance(1.0)
+        self.clock.advance(1.0)
+        batch = self.buf.end_step()
+        ref, expected = self.reference, []
+        ref.expire()
+        for slot, need in sorted(self.calls, key=lambda call: call[0]):  # stable: arrival order within a slot
+            if need is None:
+                ref.finish(slot)
+            else:
+                try:
+                    expected.append(ref.register(slot, need))
+                except SignalBufferFull:
+                    pass
+        for slot in sorted(self.staged):
+            layer0, (tokens, layer) = self.signals[slot]
+            if layer > 0:
+                ref.signal(slot, layer, tokens)
+            if layer0 >= 0:
+                expected.append(ref.signal(slot, 0, layer0))
+        assert batch == [sig for sig in expected if sig is not None]
+        self.calls, self.signals, self.staged = [], {}, set()
+        step, immediate = counts(self.registry, "step"), counts(self.reference_registry, "immediate")
+        immediate["refused"] += self.refused_when_recorded
+        immediate["overflow"] += self.overflow_when_recorded
+        assert step == immediate
+
+    @invariant()
+    def same_state(self):
+        assert self.buf.registered_slots() == self.reference.registered_slots()
+        assert self.buf.pending_count == self.reference.pending_count
+        for slot in self.reference.registered_slots():
+            assert self.buf.progress(slot) == self.reference.progress(slot)
+
+
+StepAlignedAgainstImmediate.TestCase.settings = settings(max_examples=50, stateful_step_count=30, deadline=None)
+TestStepAlignedAgainstImmediate = StepAlignedAgainstImmediate.TestCase
