@@ -16,6 +16,7 @@ holder names are a small fixed set, so that race needs two brand-new names and a
 from __future__ import annotations
 
 import fcntl
+import functools
 import mmap
 import os
 import struct
@@ -28,6 +29,7 @@ from operator import add
 from kvobs import ofd
 from kvobs.errors import LockTimeout
 from kvobs.locks import UNKNOWN_HOLDER
+from kvobs.polling import poll
 from kvobs.semconv import HOLDER_FORWARD, PATH_PREFETCH, PATH_SEND, PATH_WRITE_BACK
 
 __all__ = ["INIT_LOCK_BYTE", "HolderTable"]
@@ -41,6 +43,7 @@ _CODES_AT = _NAMES_AT + _NAME_SLOT * _NAME_SLOTS
 _BUILTIN = (UNKNOWN_HOLDER, PATH_PREFETCH, PATH_WRITE_BACK, PATH_SEND, HOLDER_FORWARD, "direct")
 _FIRST_CUSTOM = 16
 _INIT_WAIT_S = 10.0
+_INIT_PAUSE_S = 1e-3
 
 # A byte no claim ever covers (claims lock bytes below 2 * num_blocks): whoever holds it initialises or
 # checks the header, so a second opener never reads a half-written one.
@@ -109,18 +112,10 @@ class HolderTable:
 def _take_init_byte(fd: int, path: str) -> None:
     """Poll for the init byte: held only while an opener writes or reads the header, but never wait forever
     on a process stopped in the middle of it."""
-    request = ofd.pack(fcntl.F_WRLCK, INIT_LOCK_BYTE, 1)
-    deadline = time.monotonic() + _INIT_WAIT_S
-    while True:
-        try:
-            fcntl.fcntl(fd, ofd.F_OFD_SETLK, request)
-            return
-        except OSError as exc:
-            if not ofd.is_contention(exc):
-                raise
-        if time.monotonic() > deadline:
-            raise LockTimeout(f"{path} (initialisation)", _INIT_WAIT_S)
-        time.sleep(1e-3)
+    setlk = functools.partial(fcntl.fcntl, fd, ofd.F_OFD_SETLK)
+    attempt = functools.partial(ofd.granted, setlk, ofd.pack(fcntl.F_WRLCK, INIT_LOCK_BYTE, 1))
+    if not poll(attempt, time.monotonic() + _INIT_WAIT_S, _INIT_PAUSE_S, _INIT_PAUSE_S):
+        raise LockTimeout(f"{path} (initialisation)", _INIT_WAIT_S)
 
 
 def _map_checked(fd: int, num_blocks: int, path: str) -> mmap.mmap:

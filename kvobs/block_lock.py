@@ -20,10 +20,9 @@ byte-range locks (see `kvobs.ofd`), runs of consecutive ids coalesced into one r
   releases whatever the claim took.
 
 Every acquisition step records its undo in the same C-level call that performs it (see `kvobs.atomic`):
-taking a pooled description pushes "return it to the pool", then "unlock everything on it" is pushed before
-any range is locked, so however an asynchronous exception interrupts a claim, running the undo steps frees
-exactly what it holds. Growing the pool opens a description and pools it in one C call too, so a storm of
-interrupts cannot leak descriptors either.
+taking a pooled description pushes "return it to the pool" (see `kvobs.block_descriptions`), then "unlock
+everything on it" is pushed before any range is locked, so however an asynchronous exception interrupts a
+claim, running the undo steps frees exactly what it holds.
 """
 
 from __future__ import annotations
@@ -37,16 +36,19 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Sequence
-from itertools import islice, repeat, tee
-from types import TracebackType
-from typing import Any, NamedTuple, Self
+from itertools import repeat
+from typing import Any, NamedTuple
 
 from kvobs import ofd
-from kvobs.atomic import Held, push_unless_raises, release_now
+from kvobs.atomic import Held, push_unless_raises
+from kvobs.block_claim import BlockClaim
+from kvobs.block_descriptions import PROC_FD, DescriptionPool
 from kvobs.block_holders import HolderTable
-from kvobs.errors import LockTimeout
+from kvobs.block_plan import BlockPlanner, Plan
+from kvobs.forks import renewed_after_fork
 from kvobs.lockfile import lock_directory, lock_path, open_lock_file
 from kvobs.locks import UNKNOWN_HOLDER, Claim, OnConflict
+from kvobs.polling import poll
 from kvobs.semconv import CLAIM_EXCLUSIVE, CLAIM_SHARED
 
 __all__ = ["BlockClaim", "BlockLock"]
@@ -55,36 +57,9 @@ _FIRST_PAUSE_S = 50e-6
 _MAX_PAUSE_S = 1e-3
 _MAX_BLOCKS = 1 << 40  # data and turnstile bytes stay far below the init byte (1 << 62)
 _SUFFIX = ".blocks"
-_PROC_FD = "/proc/self/fd"
-_REOPEN_FLAGS = os.O_RDWR | os.O_CLOEXEC
 
 _CALL = operator.methodcaller("__call__")
-# (start, length, 0) -> struct flock of a claim's range, by claim.exclusive
-_PACKERS = {
-    exclusive: functools.partial(ofd.FLOCK.pack, kind, os.SEEK_SET)
-    for exclusive, kind in ((True, fcntl.F_WRLCK), (False, fcntl.F_RDLCK))
-}
 _POPLEFT = deque.popleft
-
-# Every open BlockLock, so a forked child can drop the parent's claims (see _forget_parent_claims).
-_LOCKS: weakref.WeakSet[BlockLock] = weakref.WeakSet()
-
-
-class _Descriptors:
-    """Every descriptor a BlockLock opened, closed together on close() or when the lock is collected."""
-
-    def __init__(self, base: int) -> None:
-        self.base = base  # the checked lock file; new descriptions are re-opened from it
-        self.claims: dict[int, int] = {}  # fd -> fd: one open file description per (pooled) claim
-        self.inherited: list[int] = []  # a forked child's copies of its parent's claim descriptors
-
-    def close(self) -> None:
-        for fd in (*self.claims, *self.inherited, self.base):
-            if fd >= 0:
-                os.close(fd)
-        self.claims.clear()
-        self.inherited.clear()
-        self.base = -1
 
 
 class _Record(NamedTuple):
@@ -93,25 +68,16 @@ class _Record(NamedTuple):
     exclusive: bool
 
 
-class _Plan(NamedTuple):
-    """A claim turned into lock requests: one ``struct flock`` per run of consecutive blocks."""
-
-    requests: list[bytes]
-    starts: list[int]
-    lengths: list[int]
-    blocks: int
-
-
 class BlockLock:
     """A cross-process cache lock over `num_blocks` blocks, claimed per block, shared or exclusive.
 
     Every process of the engine opens it by the same `name` and `num_blocks` (the first one creates the
     lock file; `attach` only opens an existing one; pickling attaches). Linux only (OFD locks, kernel 3.15+).
 
-    Each run of consecutive ids costs one kernel call (about a microsecond). `coalesce_gap=g` locks runs
-    separated by at most `g` unclaimed blocks as one range: fewer calls for a fragmented batch, at the price
-    of also claiming those gap blocks (a transfer touching only them waits for the claim). 0, the default,
-    claims exactly the blocks asked for.
+    Each run of consecutive ids costs one kernel call. `coalesce_gap=g` locks runs separated by at most `g`
+    unclaimed blocks as one range: fewer calls for a fragmented batch, at the price of also claiming those
+    gap blocks (a transfer touching only them waits for the claim). 0, the default, claims exactly the
+    blocks asked for.
     """
 
     def __init__(
@@ -135,21 +101,16 @@ class BlockLock:
         fd = open_lock_file(self.path, create=create)
         try:
             ofd.check_supported(fd)
-            if not os.path.isdir(_PROC_FD):
-                raise ofd.OFDUnsupported(errno.ENOTSUP, f"BlockLock re-opens its lock file through {_PROC_FD}")
+            if not os.path.isdir(PROC_FD):
+                raise ofd.OFDUnsupported(errno.ENOTSUP, f"BlockLock re-opens its lock file through {PROC_FD}")
             self._holders = HolderTable(fd, num_blocks, self.path)
         except BaseException:
             os.close(fd)
             raise
-        # /proc/self/fd/N opens a new description of exactly the file checked above, never another one.
-        self._reopen_path = f"{_PROC_FD}/{fd}"
-        self._whole = {
-            exclusive: _Plan([ofd.pack(kind, 0, num_blocks)], [0], [num_blocks], num_blocks)
-            for exclusive, kind in ((True, fcntl.F_WRLCK), (False, fcntl.F_RDLCK))
-        }
-        self._descriptors = _Descriptors(fd)
-        self._finalizer = weakref.finalize(self, _close_all, self._descriptors, self._holders)
-        self._start_process_state()
+        self._planner = BlockPlanner(name, num_blocks, coalesce_gap)
+        self._descriptions = DescriptionPool(fd, repr(self))
+        self._finalizer = weakref.finalize(self, _close_all, self._descriptions, self._holders)
+        self._active: dict[int, _Record] = {}  # descriptor -> the granted claim it holds
         _LOCKS.add(self)
 
     @classmethod
@@ -164,22 +125,15 @@ class BlockLock:
         attach = functools.partial(BlockLock, directory=self.directory, create=False, coalesce_gap=self.coalesce_gap)
         return attach, (self.name, self.num_blocks)
 
-    def _start_process_state(self) -> None:
-        """Fresh per-process containers: undo steps copied from elsewhere keep pointing at the old ones."""
-        self._pool: deque[int] = deque()  # idle claim descriptors, most recently used on the right
-        self._active: dict[int, _Record] = {}  # descriptor -> the granted claim it holds
-        self._pop = (self._pool.pop,)
-        self._returner = functools.partial(functools.partial, self._pool.append)
-
     # --- the cache-lock protocol ----------------------------------------------------------------------
 
     def acquire_into(
         self, held: Held, claim: Claim, timeout: float | None, on_conflict: OnConflict | None = None
     ) -> bool:
-        plan = self._plan(claim)
+        plan = self._planner.plan(claim)
         deadline = None if timeout is None else time.monotonic() + timeout
         before = len(held)
-        fd = self._take_description(held)
+        fd = self._descriptions.take(held)
         # Before any range: from here one call frees everything the claim holds.
         held.appendleft(functools.partial(fcntl.fcntl, fd, ofd.F_OFD_SETLK, ofd.UNLOCK_ALL))
         if not self._lock(fd, plan, claim, deadline, on_conflict):
@@ -196,13 +150,7 @@ class BlockLock:
         claims, since the second would queue behind a waiting writer that waits for the first."""
         if not a.blocks or not b.blocks:
             return True
-        return not self._locked_blocks(a).isdisjoint(self._locked_blocks(b))
-
-    def _locked_blocks(self, claim: Claim) -> set[int]:
-        if not self.coalesce_gap:
-            return set(claim.blocks)
-        plan = self._plan(claim)
-        return {block for start, length in zip(plan.starts, plan.lengths) for block in range(start, start + length)}
+        return not self._planner.locked_blocks(a).isdisjoint(self._planner.locked_blocks(b))
 
     def held_for(self) -> float:
         """Seconds the oldest claim this process holds now has been held; 0.0 when it holds none."""
@@ -235,62 +183,8 @@ class BlockLock:
 
     # --- inside a claim ------------------------------------------------------------------------------
 
-    def _plan(self, claim: Claim) -> _Plan:
-        """Check the ids (sorted, distinct, in range) and coalesce them into runs, before touching any lock."""
-        blocks = claim.blocks
-        if not blocks:
-            return self._whole[bool(claim.exclusive)]
-        first, last = blocks[0], blocks[-1]
-        if type(first) is not int or type(last) is not int or first < 0 or last >= self.num_blocks:
-            raise ValueError(
-                f"block ids of {self.name!r} must be ints from 0 to {self.num_blocks - 1}; got {first!r}..{last!r}"
-            )
-        count = len(blocks)
-        if last - first == count - 1 and all(map(operator.lt, blocks, islice(blocks, 1, None))):
-            starts, lengths = [first], [count]  # one run: checked in C, no per-id bytecode
-        else:
-            starts, lengths = self._runs(blocks)
-        requests = list(map(_PACKERS[bool(claim.exclusive)], starts, lengths, repeat(0)))
-        return _Plan(requests, starts, lengths, count)
-
-    def _runs(self, blocks: tuple[int, ...]) -> tuple[list[int], list[int]]:
-        """(starts, lengths) of the runs of consecutive ids (gaps up to `coalesce_gap` bridged)."""
-        first = blocks[0]
-        starts = [first]
-        ends = []
-        expected = first
-        gap = self.coalesce_gap
-        for block in blocks:
-            if block != expected:
-                if block < expected:
-                    raise ValueError(f"block ids must be sorted and distinct; {block!r} follows {expected - 1!r}")
-                if block - expected > gap:
-                    ends.append(expected)
-                    starts.append(block)
-            expected = block + 1
-        ends.append(expected)
-        return starts, list(map(operator.sub, ends, starts))
-
-    def _take_description(self, held: Held) -> int:
-        """Pop an idle description and push its return to the pool, in one C call; open one if none is idle."""
-        while True:
-            try:
-                held.extendleft(map(self._returner, map(_CALL, self._pop)))
-            except IndexError:
-                self._grow()
-                continue
-            return held[0].args[0]  # type: ignore[no-any-return]
-
-    def _grow(self) -> None:
-        """Open a new description and pool it in one C call: interrupted before, nothing was opened."""
-        descriptors = self._descriptors
-        if descriptors.base < 0:
-            raise ValueError(f"{self!r} is closed")
-        opened = tee(map(os.open, (self._reopen_path,), (_REOPEN_FLAGS,)))
-        self._pool.extend(map(descriptors.claims.setdefault, *opened))  # setdefault(fd, fd) returns fd
-
     def _lock(
-        self, fd: int, plan: _Plan, claim: Claim, deadline: float | None, on_conflict: OnConflict | None
+        self, fd: int, plan: Plan, claim: Claim, deadline: float | None, on_conflict: OnConflict | None
     ) -> bool:
         """Lock every run of `plan` on the description `fd`; False when the deadline passed first."""
         if not claim.exclusive:
@@ -314,7 +208,7 @@ class BlockLock:
         self,
         fd: int,
         setlk: functools.partial[Any],
-        plan: _Plan,
+        plan: Plan,
         claim: Claim,
         deadline: float | None,
         on_conflict: OnConflict | None,
@@ -322,7 +216,7 @@ class BlockLock:
         """Take the runs in ascending order, waiting where one is held (runs already held re-lock at once)."""
         holder, exclusive = claim.holder, claim.exclusive
         for request, start, length in zip(plan.requests, plan.starts, plan.lengths):
-            if _attempt(setlk, request):
+            if ofd.granted(setlk, request):
                 continue
             if on_conflict is not None:
                 kind = fcntl.F_WRLCK if exclusive else fcntl.F_RDLCK
@@ -331,16 +225,16 @@ class BlockLock:
             if exclusive:
                 # Queue at the turnstile: readers arriving from now on wait behind this writer.
                 gate = ofd.pack(fcntl.F_WRLCK, self.num_blocks + start, length)
-                if not _poll(functools.partial(_attempt, setlk, gate), deadline):
+                if not _poll(functools.partial(ofd.granted, setlk, gate), deadline):
                     return False
                 self._holders.stamp([self.num_blocks + start], self._holders.code(holder))
-            if not _poll(functools.partial(_attempt, setlk, request), deadline):
+            if not _poll(functools.partial(ofd.granted, setlk, request), deadline):
                 return False
             if exclusive:
                 setlk(ofd.pack(fcntl.F_UNLCK, self.num_blocks + start, length))
         return True
 
-    def _queued_writer(self, fd: int, plan: _Plan) -> str | None:
+    def _queued_writer(self, fd: int, plan: Plan) -> str | None:
         """The holder of a writer queued at the turnstile of one of the plan's runs, or None if there is none.
 
         One probe over the whole span first (the common case: no writer queued anywhere near); only when it
@@ -357,7 +251,7 @@ class BlockLock:
                     break
         return None if found is None else self._holders.holder_at(found.start)
 
-    def _no_queued_writer(self, fd: int, plan: _Plan) -> bool:
+    def _no_queued_writer(self, fd: int, plan: Plan) -> bool:
         return self._queued_writer(fd, plan) is None
 
     def _holder_of(self, fd: int, kind: int, start: int, length: int) -> str:
@@ -370,88 +264,19 @@ class BlockLock:
     def close(self) -> None:
         """Close every descriptor (which drops any range still claimed through this lock). Idempotent."""
         _LOCKS.discard(self)
-        self._pool.clear()
         self._finalizer()
 
     def _forget_parent_claims(self) -> None:
-        """In a forked child: the pooled descriptions are the parent's, and so are the ranges on them.
-
-        The child must neither use them (its claims would merge with the parent's) nor unlock them (an
-        undo step copied from the parent would free the parent's claim). Each inherited descriptor number is
-        pointed at /dev/null, where such an undo unlocks nothing, and the child starts an empty pool.
-        """
-        descriptors = self._descriptors
-        devnull = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
-        try:
-            for fd in descriptors.claims:
-                os.dup2(devnull, fd, inheritable=False)
-        finally:
-            os.close(devnull)
-        descriptors.inherited.extend(descriptors.claims)
-        descriptors.claims = {}
-        self._start_process_state()
+        """In a forked child: the claims are the parent's (see DescriptionPool.forget_parent)."""
+        self._descriptions.forget_parent()
+        self._active = {}
 
     def __repr__(self) -> str:
         return f"BlockLock({self.name!r}, {self.num_blocks}, path={self.path!r})"
 
 
-class BlockClaim:
-    """`with lock.claim(blocks):` for code outside kvobs's guards; the claim's undo steps live here."""
-
-    def __init__(self, lock: BlockLock, claim: Claim, timeout: float | None) -> None:
-        self.lock = lock
-        self.claim = claim
-        self.timeout = timeout
-        self._held: Held = deque()
-
-    def __enter__(self) -> Self:
-        try:
-            acquired = self.lock.acquire_into(self._held, self.claim, self.timeout)
-        except BaseException:
-            # Ctrl-C during the wait: `with` will not call __exit__ for an __enter__ that raised.
-            release_now(self._held)
-            raise
-        if not acquired:
-            raise LockTimeout(self.lock.name, self.timeout or 0.0, self.claim.holder)
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.release()
-
-    def release(self) -> None:
-        """Release the blocks (from any thread); a no-op once released."""
-        release_now(self._held)
-
-
-def _attempt(setlk: functools.partial[Any], request: bytes) -> bool:
-    """One non-blocking ``F_OFD_SETLK``: True when granted, False when someone else holds the range."""
-    try:
-        setlk(request)
-        return True
-    except OSError as exc:
-        if ofd.is_contention(exc):
-            return False
-        raise
-
-
 def _poll(attempt: functools.partial[bool], deadline: float | None) -> bool:
-    """Retry `attempt` with exponential back-off until it succeeds (True) or the deadline passes (False).
-
-    A blocking ``F_OFD_SETLKW`` could not honour a deadline, and could not be interrupted cleanly.
-    """
-    pause = _FIRST_PAUSE_S
-    while not attempt():
-        if deadline is None:
-            time.sleep(pause)
-        else:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return False
-            time.sleep(min(pause, remaining))
-        pause = min(pause * 2, _MAX_PAUSE_S)
-    return True
+    return poll(attempt, deadline, _FIRST_PAUSE_S, _MAX_PAUSE_S)
 
 
 def _undo_newest(held: Held, count: int) -> None:
@@ -459,14 +284,10 @@ def _undo_newest(held: Held, count: int) -> None:
     deque(map(_CALL, map(_POPLEFT, repeat(held, count))), 0)
 
 
-def _close_all(descriptors: _Descriptors, holders: HolderTable) -> None:
+def _close_all(descriptions: DescriptionPool, holders: HolderTable) -> None:
     holders.close()
-    descriptors.close()
+    descriptions.close()
 
 
-def _after_fork_in_child() -> None:
-    for lock in list(_LOCKS):
-        lock._forget_parent_claims()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
+# Every open BlockLock, so a forked child can drop the parent's claims.
+_LOCKS: weakref.WeakSet[BlockLock] = renewed_after_fork(BlockLock._forget_parent_claims)

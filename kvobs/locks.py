@@ -22,7 +22,9 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from kvobs.atomic import Held, push_if, push_unless_raises, release_now
 from kvobs.errors import LockTimeout
+from kvobs.forks import renewed_after_fork
 from kvobs.lockfile import lock_directory, lock_path, open_lock_file, reopen
+from kvobs.polling import poll
 
 __all__ = ["CacheLock", "Claim", "LockTimeout", "NullLock", "ProcessLock", "ThreadLock"]
 
@@ -221,9 +223,6 @@ _EX_NB = fcntl.LOCK_EX | fcntl.LOCK_NB
 _FIRST_SLEEP_S = 50e-6
 _MAX_SLEEP_S = 2e-3
 
-# Every open ProcessLock, so a forked child can re-open each one (see _reopen_in_child).
-_LOCKS: weakref.WeakSet[ProcessLock] = weakref.WeakSet()
-
 
 class ProcessLock(_ExclusiveLock):
     """Excludes threads and processes on one host: an in-process mutex, then ``fcntl.flock`` on a file.
@@ -247,7 +246,11 @@ class ProcessLock(_ExclusiveLock):
         self.path = lock_path(name, self.directory)  # InvalidLockName (a ValueError) for a bad name
         self.name = name
         self.timeout = timeout
-        self._fd = open_lock_file(self.path, create=create)
+        self._use_file(open_lock_file(self.path, create=create))
+
+    def _use_file(self, fd: int) -> None:
+        """Lock through the checked lock file open at `fd` (this lock closes it), re-opened in forked children."""
+        self._fd = fd
         self._mutex = threading.Lock()
         self._init_holding()
         _LOCKS.add(self)
@@ -286,27 +289,13 @@ class ProcessLock(_ExclusiveLock):
         return True
 
     def _flock_into(self, held: Held, deadline: float | None, on_conflict: OnConflict | None) -> bool:
-        """Poll ``LOCK_NB`` with short exponential backoff: a blocking flock could not honour the deadline."""
-        fd = self._fd
-        unlock = functools.partial(fcntl.flock, fd, fcntl.LOCK_UN)
-        sleep_s = _FIRST_SLEEP_S
-        while True:
-            try:
-                push_unless_raises(held, unlock, fcntl.flock, fd, _EX_NB)
-                return True
-            except BlockingIOError:
-                pass
-            if on_conflict is not None:
-                on_conflict(UNKNOWN_HOLDER)  # another process: its holder is not visible from here
-                on_conflict = None
-            if deadline is None:
-                time.sleep(sleep_s)
-            else:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return False
-                time.sleep(min(sleep_s, remaining))
-            sleep_s = min(sleep_s * 2, _MAX_SLEEP_S)
+        """Take the flock (its undo pushed onto `held`), polling until `deadline` while another process has it."""
+        attempt = functools.partial(_try_flock, held, self._fd)
+        if attempt():
+            return True
+        if on_conflict is not None:
+            on_conflict(UNKNOWN_HOLDER)  # another process: its holder is not visible from here
+        return poll(attempt, deadline, _FIRST_SLEEP_S, _MAX_SLEEP_S)
 
     def close(self) -> None:
         """Close the file descriptor (which drops the flock if held). Idempotent."""
@@ -323,6 +312,9 @@ class ProcessLock(_ExclusiveLock):
         self._init_holding()
         try:
             self._fd = reopen(inherited, self.path)
+        except OSError as exc:
+            # Left with fd -1, the lock fails on use rather than silently sharing the parent's flock.
+            warnings.warn(f"kvobs: cannot re-open {self.path} after fork: {exc}", RuntimeWarning)
         finally:
             os.close(inherited)
 
@@ -330,25 +322,16 @@ class ProcessLock(_ExclusiveLock):
         return f"ProcessLock({self.name!r}, path={self.path!r})"
 
 
-def _after_fork_in_child() -> None:
-    for lock in list(_LOCKS):
-        try:
-            lock._reopen_in_child()
-        except OSError as exc:
-            # Left with fd -1, the lock fails on use rather than silently sharing the parent's flock.
-            warnings.warn(f"kvobs: cannot re-open {lock.path} after fork: {exc}", RuntimeWarning)
+def _try_flock(held: Held, fd: int) -> bool:
+    """One non-blocking flock, its undo pushed in the same C call: False when another description holds it."""
+    try:
+        push_unless_raises(held, functools.partial(fcntl.flock, fd, fcntl.LOCK_UN), fcntl.flock, fd, _EX_NB)
+        return True
+    except BlockingIOError:
+        return False
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
+# Every ProcessLock, so a forked child re-opens each one's file.
+_LOCKS: weakref.WeakSet[ProcessLock] = renewed_after_fork(ProcessLock._reopen_in_child)
 # Every ThreadLock, so a forked child gets fresh mutexes (a parent thread may have held one at fork time).
-_THREAD_LOCKS: weakref.WeakSet[ThreadLock] = weakref.WeakSet()
-
-
-def _fresh_thread_locks_in_child() -> None:
-    for lock in list(_THREAD_LOCKS):
-        lock._fresh_mutex()
-
-
-os.register_at_fork(after_in_child=_fresh_thread_locks_in_child)
+_THREAD_LOCKS: weakref.WeakSet[ThreadLock] = renewed_after_fork(ThreadLock._fresh_mutex)

@@ -16,6 +16,7 @@ import fcntl
 import os
 import struct
 import sys
+from collections.abc import Callable
 from typing import NamedTuple
 
 from kvobs.errors import OFDUnsupported
@@ -29,6 +30,7 @@ __all__ = [
     "OFDUnsupported",
     "check_supported",
     "conflict",
+    "granted",
     "is_contention",
     "pack",
 ]
@@ -76,6 +78,18 @@ def conflict(fd: int, kind: int, start: int, length: int) -> Conflict | None:
 def is_contention(exc: OSError) -> bool:
     """Whether a failed ``F_OFD_SETLK`` means "held by someone else" (as opposed to a real error)."""
     return exc.errno in _CONTENTION
+
+
+def granted(setlk: Callable[[bytes], object], request: bytes) -> bool:
+    """One non-blocking request through `setlk` (``F_OFD_SETLK`` on a description): True when granted,
+    False when someone else holds the range; any other error is raised."""
+    try:
+        setlk(request)
+        return True
+    except OSError as exc:
+        if is_contention(exc):
+            return False
+        raise
 
 
 def check_supported(fd: int) -> None:

@@ -41,7 +41,8 @@ def claim(lock: BlockLock, blocks: tuple[int, ...], exclusive: bool = True, hold
 
 def idle(lock: BlockLock) -> bool:
     """Nothing claimed in this process: no record, every description back in the pool exactly once."""
-    return not lock._active and len(lock._pool) == len(set(lock._pool)) == len(lock._descriptors.claims)
+    pool = lock._descriptions
+    return not lock._active and len(pool.idle) == len(set(pool.idle)) == len(pool.opened)
 
 
 # --- the kernel's struct flock ---------------------------------------------------------------------------
@@ -198,7 +199,7 @@ def test_claims_of_one_thread_exclude_each_other(lock: BlockLock) -> None:
     """Every claim has its own open file description: OFD locks of one description would merge."""
     first = claim(lock, (10,))
     assert first is not None and claim(lock, (10,)) is None
-    assert len(lock._descriptors.claims) == 2
+    assert len(lock._descriptions.opened) == 2
     release_now(first)
 
 

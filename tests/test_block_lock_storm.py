@@ -98,7 +98,8 @@ def test_interrupt_storm_leaks_no_claim(tmp_path: Path) -> None:
     assert interrupts[0] >= 200 and interrupted_holding[0] >= 20, summary
     # Nothing leaked in this process: no record, every description back in the pool exactly once.
     assert lock.blocks_claimed() == {"shared": 0, "exclusive": 0} and lock.held_for() == 0.0, summary
-    assert len(lock._pool) == len(set(lock._pool)) == len(lock._descriptors.claims), summary
+    pool = lock._descriptions
+    assert len(pool.idle) == len(set(pool.idle)) == len(pool.opened), summary
     # Nor in the kernel: another description gets the whole cache, exclusive, at once.
     everything: deque[Any] = deque()
     assert contender_view.acquire_into(everything, Claim("check", ()), 0), summary
@@ -132,7 +133,7 @@ def _release_ignoring_holder(blocking: deque[Any], holder: str) -> None:
 
 def _queue_writer_at(lock: BlockLock, block: int) -> deque[Any]:
     """A description holding `block`'s turnstile byte, as a writer queued there would."""
-    fd = os.open(f"/proc/self/fd/{lock._descriptors.base}", os.O_RDWR | os.O_CLOEXEC)
+    fd = os.open(f"/proc/self/fd/{lock._descriptions.base}", os.O_RDWR | os.O_CLOEXEC)
     fcntl.fcntl(fd, ofd.F_OFD_SETLK, ofd.pack(fcntl.F_WRLCK, lock.num_blocks + block, 1))
     return deque([functools.partial(os.close, fd)])
 
@@ -170,7 +171,7 @@ def test_an_interrupt_at_any_bytecode_leaks_nothing(
     for opcode in range(1, 100_000):
         lock = BlockLock.attach("kv", 16, directory=tmp_path)
         if pool == "warm":
-            lock._grow()
+            lock._descriptions.grow()
         blocking: deque[Any] = deque()
         if blocker == "queued writer":
             blocking = _queue_writer_at(view, 5)
@@ -192,7 +193,8 @@ def test_an_interrupt_at_any_bytecode_leaks_nothing(
         release_now(held)
         release_now(blocking)
         assert lock.blocks_claimed() == {"shared": 0, "exclusive": 0}, f"record leaked at opcode {opcode}"
-        assert len(lock._pool) == len(set(lock._pool)) == len(lock._descriptors.claims), f"opcode {opcode}"
+        pool = lock._descriptions
+        assert len(pool.idle) == len(set(pool.idle)) == len(pool.opened), f"opcode {opcode}"
         everything: deque[Any] = deque()
         assert view.acquire_into(everything, Claim("check", ()), 0), f"a range leaked at opcode {opcode}"
         release_now(everything)
