@@ -11,11 +11,13 @@ byte-range locks (see `kvobs.ofd`), runs of consecutive ids coalesced into one r
   since opening one per claim costs), so two claims of one process exclude each other in the kernel exactly
   as two processes do, and any thread may release a claim (OFD locks belong to no thread);
 - shared and exclusive: readers (write-back, send) take ``F_RDLCK`` ranges, writers ``F_WRLCK``;
-- deadlock-free: a claim takes its runs in ascending block order, holding the earlier ones while it waits;
-- writers do not starve: a writer that has to wait first takes the run's "turnstile" bytes (block b's
-  turnstile is byte ``num_blocks + b``) and holds them until it gets the blocks; every reader first checks
-  the turnstile bytes of its runs and waits (holding nothing) while a writer is queued there, so the
-  readers already inside drain and no new ones pass the writer;
+- deadlock-free: a claim takes its runs in ascending block order, holding the earlier ones while it waits,
+  and a claim that holds anything waits only for blocks;
+- writers do not starve: a writer that has to wait takes the run's "turnstile" bytes (block b's turnstile
+  is byte ``num_blocks + b``) as soon as they are free and holds them until it gets the blocks; every
+  reader first checks the turnstile bytes of its runs and waits (holding nothing) while a writer is queued
+  there, so the readers already inside drain and no new ones pass the writer. A writer never waits for a
+  turnstile: the writer queued there may be waiting for a block this one holds;
 - timed and all-or-nothing: waiting polls with short exponential back-off up to the deadline; a timeout
   releases whatever the claim took.
 
@@ -213,8 +215,13 @@ class BlockLock:
         deadline: float | None,
         on_conflict: OnConflict | None,
     ) -> bool:
-        """Take the runs in ascending order, waiting where one is held (runs already held re-lock at once)."""
-        holder, exclusive = claim.holder, claim.exclusive
+        """Take the runs in ascending order, waiting where one is held (runs already held re-lock at once).
+
+        Only blocks are waited for, always in ascending order, so no two claims can wait for each other. A
+        writer holds the turnstile of the run it waits for whenever it is free, but never waits for it: a
+        writer queued there may itself wait for a block this one holds.
+        """
+        exclusive = claim.exclusive
         for request, start, length in zip(plan.requests, plan.starts, plan.lengths):
             if ofd.granted(setlk, request):
                 continue
@@ -222,17 +229,24 @@ class BlockLock:
                 kind = fcntl.F_WRLCK if exclusive else fcntl.F_RDLCK
                 on_conflict(self._holder_of(fd, kind, start, length))
                 on_conflict = None
+            attempt = functools.partial(ofd.granted, setlk, request)
             if exclusive:
-                # Queue at the turnstile: readers arriving from now on wait behind this writer.
-                gate = ofd.pack(fcntl.F_WRLCK, self.num_blocks + start, length)
-                if not _poll(functools.partial(ofd.granted, setlk, gate), deadline):
-                    return False
-                self._holders.stamp([self.num_blocks + start], self._holders.code(holder))
-            if not _poll(functools.partial(ofd.granted, setlk, request), deadline):
+                gate = (self.num_blocks + start, length)
+                code = self._holders.code(claim.holder)
+                attempt = functools.partial(self._queue_then_try, setlk, gate, code, attempt)
+            if not _poll(attempt, deadline):
                 return False
             if exclusive:
-                setlk(ofd.pack(fcntl.F_UNLCK, self.num_blocks + start, length))
+                setlk(ofd.pack(fcntl.F_UNLCK, *gate))
         return True
+
+    def _queue_then_try(self, setlk: functools.partial[Any], gate: tuple[int, int], code: int,
+                        attempt: functools.partial[bool]) -> bool:
+        """Hold the run's turnstile if it is free (readers arriving from now on wait behind this writer), then
+        try the run itself."""
+        if ofd.granted(setlk, ofd.pack(fcntl.F_WRLCK, *gate)):
+            self._holders.stamp([gate[0]], code)
+        return attempt()
 
     def _queued_writer(self, fd: int, plan: Plan) -> str | None:
         """The holder of a writer queued at the turnstile of one of the plan's runs, or None if there is none.

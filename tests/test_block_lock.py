@@ -314,6 +314,45 @@ def test_a_reader_waits_behind_a_queued_writer_and_names_it(lock: BlockLock) -> 
     release_now(writer_result[0])
 
 
+def _wait_until(condition: Any, what: str) -> None:
+    deadline = time.monotonic() + 30
+    while not condition():
+        assert time.monotonic() < deadline, f"never happened: {what}"
+        time.sleep(0.001)
+
+
+def test_two_writers_queued_on_overlapping_runs_do_not_deadlock(lock: BlockLock) -> None:
+    """Writer A queues at the turnstile of run 2-4; writer B holds block 2 and has to wait for block 4.
+    B must not wait for A's turnstile (A waits for B's block 2): writers never wait for a turnstile."""
+    probe = BlockLock.attach("kv", NUM_BLOCKS, directory=lock.directory)  # another description, to look
+    readers = [claim(lock, (3,), exclusive=False, holder="send"), claim(lock, (4,), exclusive=False, holder="send")]
+    granted: dict[str, bool] = {}
+
+    def write(name: str, blocks: tuple[int, ...]) -> None:
+        held = claim(lock, blocks, timeout=20)
+        granted[name] = held is not None
+        if held is not None:
+            release_now(held)
+
+    writer_a = threading.Thread(target=write, args=("a", (2, 3, 4)))
+    writer_b = threading.Thread(target=write, args=("b", (2, 4)))
+    fd = probe._descriptions.take(deque())
+    try:
+        writer_a.start()
+        _wait_until(lambda: ofd.conflict(fd, fcntl.F_RDLCK, NUM_BLOCKS + 2, 3) is not None, "A queues at 2-4")
+        writer_b.start()
+        _wait_until(lambda: ofd.conflict(fd, fcntl.F_RDLCK, 2, 1) is not None, "B holds block 2")
+        time.sleep(0.05)  # B now waits for block 4
+    finally:
+        for reader in readers:
+            release_now(reader)
+        writer_a.join(timeout=60)
+        writer_b.join(timeout=60)
+        probe.close()
+    assert granted == {"a": True, "b": True}, "the writers deadlocked until their timeouts"
+    assert idle(lock)
+
+
 def test_writer_is_not_starved_by_a_stream_of_readers(lock: BlockLock) -> None:
     """Readers overlap so that the blocks are never free of readers: without writer preference a writer
     would never find a gap. With it, the readers inside drain and new ones queue behind the writer."""
@@ -360,7 +399,7 @@ def _hammer(lock: BlockLock, inside: list[int], overlaps: list[int], rounds: int
     for _ in range(rounds):
         blocks = tuple(sorted(rng.sample(range(16), rng.randint(1, 4))))
         exclusive = rng.random() < 0.5
-        held = claim(lock, blocks, exclusive=exclusive, timeout=10)
+        held = claim(lock, blocks, exclusive=exclusive, timeout=None)  # a deadlock shows as threads still alive
         assert held is not None
         for block in blocks:
             if exclusive:
@@ -381,12 +420,19 @@ def test_threads_never_overlap_and_never_deadlock(lock: BlockLock) -> None:
     """Random multi-run claims from 4 threads, each holding runs while waiting for later ones."""
     inside = [0] * 16
     overlaps = [0]
-    threads = [threading.Thread(target=_hammer, args=(lock, inside, overlaps, 400, seed)) for seed in range(4)]
+    finished: list[int] = []
+
+    def hammer(seed: int) -> None:
+        _hammer(lock, inside, overlaps, 400, seed)
+        finished.append(seed)
+
+    threads = [threading.Thread(target=hammer, args=(seed,), daemon=True) for seed in range(4)]
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(timeout=60)
+        thread.join(timeout=120)
         assert not thread.is_alive(), "deadlock"
+    assert sorted(finished) == [0, 1, 2, 3]  # none raised
     assert overlaps == [0]
     assert idle(lock)
 
