@@ -1,7 +1,7 @@
 """Log each kind of event at most once per interval, with the count of what was suppressed.
 
 Why: a flood (a million overflowing signals, an exporter failing on every call) must not become a million log
-lines, each costing tens of microseconds on the engine's own thread. Metrics keep the exact counts; the log
+lines, each one written on the engine's own thread. Metrics keep the exact counts; the log
 keeps one line per kind per interval, and that line says how many of its kind were left out before it.
 
     limited = RateLimitedLog(logger, interval_s=10.0, on_error=count_logging_error)

@@ -1,7 +1,7 @@
 """OpenTelemetry tracing: find a tracer cheaply per call, and a `configure_tracing` helper for applications.
 
 Library code never sets the global provider. When no provider is configured (the API's proxy/no-op one),
-kvobs skips span work entirely, so metrics-only users do not pay ~10 us per call for a no-op span.
+kvobs skips span work entirely, so metrics-only users do not pay for a no-op span on every call.
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ class TracerSource:
 
     def get(self) -> Tracer | None:
         """None while only the no-op API is in place. The global provider is looked up at most once per
-        `RECHECK_S` (the lookup reads os.environ, ~1 us), so a provider set later is picked up within it."""
+        `RECHECK_S` (the lookup reads os.environ: too slow for every call), so a provider set later is picked up
+        within it."""
         if not self._explicit:
             now = monotonic()
             if now >= self._recheck_at:
