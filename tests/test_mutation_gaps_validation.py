@@ -6,6 +6,8 @@ statement removed); tools/mutate.py reruns them.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -104,3 +106,76 @@ def test_every_with_a_fraction_is_refused_but_every_1_is_the_default():
     with pytest.raises(ValueError, match="not both"):
         IntegrityPolicy(every=2, fraction=0.5)
     assert IntegrityPolicy(every=1, fraction=0.5).fraction == 0.5
+
+
+def test_a_policy_cannot_be_changed_after_its_checks_ran():
+    policy = IntegrityPolicy("count", every=2)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        policy.mode = "explode"  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        policy.every = 0  # type: ignore[misc]
+    assert (policy.mode, policy.every) == ("count", 2)
+
+
+def test_a_skip_result_takes_no_part_in_equality_and_may_be_unhashable():
+    """`skip_result=[]` is the documented way to say "nothing loaded"; the policy must still hash."""
+    a, b = IntegrityPolicy("skip", skip_result=[]), IntegrityPolicy("skip", skip_result={"loaded": 0})
+    assert a == b
+    assert hash(a) == hash(b)
+    assert a != IntegrityPolicy("raise")
+
+
+def test_an_asynchronous_call_is_accepted_where_the_guard_completes_later(registry):
+    """`is_sync=False` on a sync-only path is refused only when the lock would end before the copy."""
+    obs = kvobs.KVObserver("later", registry=registry, integrity=None, capacity=64)
+
+    @obs.prefetch(block_ids="ids", sync="is_sync", complete_later="job")
+    def load(ids, job, is_sync=True):
+        return "submitted"
+
+    assert load([1], job="j1", is_sync=False) == "submitted"
+    assert obs.complete("prefetch", "j1", "loaded") == "loaded"
+
+    @obs.prefetch(block_ids="ids", sync="is_sync")
+    def load_now(ids, is_sync=True):
+        return "loaded"
+
+    with pytest.raises(kvobs.TransferRejected, match="asynchronous transfers"):
+        load_now([1], is_sync=False)
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 4096])
+def test_nbytes_may_be_zero(obs, nbytes):
+    assert obs.transfer("prefetch", block_ids=[1], nbytes=nbytes).nbytes == nbytes
+
+
+@pytest.mark.parametrize("nbytes", [-1, 1.0, True, "8"])
+def test_nbytes_must_be_a_non_negative_int(obs, nbytes):
+    with pytest.raises(kvobs.TransferRejected, match="nbytes must be a non-negative int"):
+        obs.transfer("prefetch", block_ids=[1], nbytes=nbytes)
+
+
+@pytest.mark.parametrize("sizes", [[2, 1], [2, 3], [4, -1, 1], [-2, 6]])
+def test_group_sizes_must_be_non_negative_and_add_up_to_the_ids(sizes):
+    with pytest.raises(kvobs.TransferRejected, match=r"must be non-negative and add up to the 4 block ids"):
+        resolve_blocks("prefetch", [9, 10, 9, 10], capacity=64, group_sizes=sizes)
+
+
+def test_group_sizes_that_add_up_are_accepted():
+    blocks = resolve_blocks("prefetch", [9, 10, 9, 10], capacity=64, group_sizes=[2, 0, 2])
+    assert blocks.distinct == (9, 10)
+    assert blocks.count == 4
+
+
+def test_token_slots_end_at_the_last_slot_of_the_last_page():
+    last = 8 * 4 - 1  # 8 pages of 4 slots
+    assert resolve_blocks("prefetch", [0, last], capacity=8, page_size=4).distinct == (0, 7)
+    with pytest.raises(kvobs.TransferRejected, match="token slot 32 is out of range for a cache of 8 pages of 4"):
+        resolve_blocks("prefetch", [0, last + 1], capacity=8, page_size=4)
+    assert resolve_blocks("prefetch", [1000], capacity=None, page_size=4).distinct == (250,)
+
+
+def test_block_ids_end_at_the_last_block():
+    assert resolve_blocks("prefetch", [0, 63], capacity=64).distinct == (0, 63)
+    with pytest.raises(kvobs.TransferRejected, match="block id 64 is out of range for a cache of 64 blocks"):
+        resolve_blocks("prefetch", [64], capacity=64)
