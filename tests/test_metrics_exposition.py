@@ -17,9 +17,9 @@ from prometheus_client.openmetrics.exposition import generate_latest as openmetr
 
 from kvobs import __version__
 from kvobs import semconv as sc
+from kvobs.telemetry.accumulators import CounterFamily, GaugeFamily
 from kvobs.telemetry.engine_metrics import EngineMetrics
 from kvobs.telemetry.families import FAMILY_SPECS, MetricFamilies
-from kvobs.telemetry.accumulators import CounterFamily, GaugeFamily
 
 ENGINE, LOCK = "expo", "cache"
 EX1 = {"trace_id": "0af7651916cd43dd8448eb211c80319c", "span_id": "b7ad6b7169203331"}

@@ -7,8 +7,8 @@ from prometheus_client import CollectorRegistry
 
 from kvobs import semconv as sc
 from kvobs.telemetry.engine_metrics import EngineMetrics
-from kvobs.telemetry.families import MetricFamilies
 from kvobs.telemetry.failures import EVENT_TELEMETRY_FAILED, TelemetryFailures
+from kvobs.telemetry.families import MetricFamilies
 
 
 def capturing_logger() -> tuple[object, structlog.testing.LogCapture]:

@@ -14,10 +14,10 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter
 
 from kvobs import semconv as sc
-from kvobs.telemetry.engine_metrics import EngineMetrics
-from kvobs.telemetry.families import MetricFamilies
 from kvobs.errors import DuplicateEngine, MetricNameConflict, MultiprocessDirError
+from kvobs.telemetry.engine_metrics import EngineMetrics
 from kvobs.telemetry.exposition import scrape_registry
+from kvobs.telemetry.families import MetricFamilies
 
 
 def names(registry: CollectorRegistry) -> set[str]:
