@@ -113,7 +113,7 @@ def main() -> None:
     forward_ids = blocks_in_runs(256, 64)
     for gap in (1, 3):
         coalescing = BlockLock(f"bench-gap{gap}", NUM_BLOCKS, directory=directory, coalesce_gap=gap)
-        ranges = len(coalescing._plan(Claim("forward", forward_ids)).starts)
+        ranges = len(coalescing._planner.plan(Claim("forward", forward_ids)).starts)
 
         gap_held: deque[Any] = deque()
 
