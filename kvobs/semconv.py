@@ -94,7 +94,7 @@ SIGNAL_BUFFERED_SECONDS: Final = "kvobs_signal_buffered_seconds"
 BUILD_INFO: Final = "kvobs_build_info"
 TELEMETRY_ERRORS_TOTAL: Final = "kvobs_telemetry_errors_total"
 
-# Metric name -> its label names, the contract of DESIGN.md section 3 (plus the telemetry-error counter).
+# Metric name -> its label names: the contract dashboards and alert rules are written against.
 METRIC_LABELS: Final[dict[str, tuple[str, ...]]] = {
     TRANSFERS_TOTAL: (LABEL_ENGINE, LABEL_PATH, LABEL_OUTCOME),
     TRANSFER_DURATION_SECONDS: (LABEL_ENGINE, LABEL_PATH, LABEL_OUTCOME),
@@ -118,7 +118,7 @@ METRIC_LABELS: Final[dict[str, tuple[str, ...]]] = {
     TELEMETRY_ERRORS_TOTAL: (LABEL_ENGINE, LABEL_STAGE),
 }
 
-# Histogram buckets in seconds: they start well below a millisecond (a lock pair costs ~100 ns).
+# Histogram buckets in seconds: they start well below a millisecond (an uncontended lock wait is tiny).
 DEFAULT_LATENCY_BUCKETS: Final = (
     0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005,
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,

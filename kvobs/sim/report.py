@@ -12,7 +12,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from kvobs import __version__
+from kvobs.version import __version__
 from kvobs import semconv as sc
 from kvobs.sim.runs import RUNS, RunSpec
 from kvobs.sim.targets import targets

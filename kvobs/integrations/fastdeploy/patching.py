@@ -9,7 +9,7 @@ queue's done signal, a messager's task registration); those are wrapped here, wi
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Self
+from typing import Any
 
 _WRAPPED = "__kvobs_fastdeploy_original__"
 _MISSING = object()
@@ -48,7 +48,7 @@ class Patches:
 
     __call__ = undo
 
-    def __enter__(self) -> Self:
+    def __enter__(self) -> Patches:
         return self
 
     def __exit__(self, *exc_info: object) -> None:

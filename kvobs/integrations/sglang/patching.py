@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import types
 from collections.abc import Callable
-from typing import Any, Self
+from typing import Any
 
 _ORIGINAL = "__kvobs_sglang_original__"
 _MISSING = object()
@@ -67,7 +67,7 @@ class Patches:
 
     __call__ = undo
 
-    def __enter__(self) -> Self:
+    def __enter__(self) -> Patches:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
