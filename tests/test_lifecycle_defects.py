@@ -28,8 +28,10 @@ class Storm(Exception):
     """Raised by the storm's signal handler between two bytecodes of whatever runs."""
 
 
-def _interrupt_storm(calls, seconds: float) -> tuple[int, int, int]:
-    """Run `calls()` under a SIGALRM every 30 us whose handler raises; after each call (interrupted or not),
+def _interrupt_storm(calls, seconds: float = 1.5, interrupted_calls: int = 600,
+                     max_seconds: float = 15.0) -> tuple[int, int, int]:
+    """Run `calls()` under a SIGALRM every 30 us whose handler raises, for `seconds` and until at least
+    `interrupted_calls` were interrupted (at most `max_seconds`, on a very loaded machine); after each call,
     probe the lock. Returns (calls, interrupted, leaked)."""
     armed = False
     done = interrupted = leaked = 0
@@ -42,9 +44,10 @@ def _interrupt_storm(calls, seconds: float) -> tuple[int, int, int]:
     gc.disable()
     previous = signal.signal(signal.SIGALRM, handler)
     signal.setitimer(signal.ITIMER_REAL, 30e-6, 30e-6)
-    end = time.monotonic() + seconds
+    start = time.monotonic()
     try:
-        while time.monotonic() < end:
+        while (interrupted < interrupted_calls or time.monotonic() - start < seconds) \
+                and time.monotonic() - start < max_seconds:
             done += 1
             try:
                 armed = True
@@ -94,7 +97,7 @@ class _Calls:
 def test_interrupt_storm_leaks_no_hold(tmp_path, kind):
     lock = kvobs.ThreadLock() if kind == "thread" else ProcessLock("storm", directory=tmp_path)
     obs = kvobs.KVObserver("storm", lock=lock, enabled=False, integrity=None, lock_timeout=1.0)
-    calls, interrupted, leaked = _interrupt_storm(_Calls(obs, "decorator"), seconds=1.5)
+    calls, interrupted, leaked = _interrupt_storm(_Calls(obs, "decorator"))
     assert interrupted > 500, (calls, interrupted)
     assert leaked == 0, f"{leaked} of {interrupted} interrupted calls left the lock held"
     assert obs.open.count("send") == 0
@@ -113,7 +116,7 @@ def test_interrupt_storm_on_begin_and_complete_loses_nothing_past_the_deadline(t
             while not lock_is_free(self.obs.lock) and time.monotonic() < deadline:
                 time.sleep(0.01)
 
-    calls, interrupted, lost = _interrupt_storm(Calls(obs, "begin"), seconds=1.5)
+    calls, interrupted, lost = _interrupt_storm(Calls(obs, "begin"))
     assert interrupted > 500, (calls, interrupted)
     assert lock_is_free(obs.lock) and obs.open.count("send") == 0
     assert sum(r.outcome == sc.OUTCOME_ABANDONED for r in records) == lost
