@@ -9,9 +9,12 @@ from __future__ import annotations
 import gc
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 import tracemalloc
 import weakref
 from pathlib import Path
@@ -129,6 +132,48 @@ def test_thousands_of_dropped_buffers_do_not_accumulate():
     gc.collect()
     assert sum(r() is not None for r in refs) == 0
     assert outcome_count(registry, "buffered") == 2000
+
+
+def forked_child_exit_code(child, timeout_s: float = 20.0) -> int:
+    """Fork; the child runs `child()` and exits 0 if it returns True. The child's exit code (-9: it hung)."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os._exit(0 if child() else 1)
+        finally:
+            os._exit(2)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return -9
+
+
+def test_a_forked_child_can_use_a_buffer_whose_lock_another_thread_held_at_the_fork():
+    buf = EarlySignalBuffer(logger=RecordingLogger(), max_pending=1, clock=FakeClock())
+    held, release = threading.Event(), threading.Event()
+
+    def hold_the_locks():
+        with buf._lock, buf._reporter._log._lock:  # as a thread inside a decision and a log line would
+            held.set()
+            release.wait()
+
+    holder = threading.Thread(target=hold_the_locks)
+    holder.start()
+    held.wait()
+    try:
+        def child() -> bool:
+            buf.signal(1, 0, 5)
+            buf.signal(2, 0, 5)  # an overflow: logged through the rate-limited log
+            return buf.register(2, 5) is not None
+        assert forked_child_exit_code(child) == 0
+    finally:
+        release.set()
+        holder.join()
 
 
 MULTIPROCESS_SCRIPT = textwrap.dedent("""

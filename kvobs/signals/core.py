@@ -32,6 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvobs import semconv as sc
+from kvobs.forks import renewed_after_fork
 from kvobs.signals.inputs import as_int
 from kvobs.signals.records import (
     Decision,
@@ -41,8 +42,8 @@ from kvobs.signals.records import (
     decision,
 )
 from kvobs.signals.reporting import FLUSH_AT, SignalReporter
-from kvobs.telemetry.failures import STAGE_METRICS
 from kvobs.telemetry.engine_metrics import EngineMetrics
+from kvobs.telemetry.failures import STAGE_METRICS
 
 DEFAULT_MAX_SLOTS = 16384
 
@@ -87,6 +88,7 @@ class SignalBufferCore:
         self._describe_recoveries = self._reporter.describes(sc.SIGNAL_RECOVERED)
         self._tally = self._reporter.tally
         self._counts, self._waits = self._tally.counts, self._tally.waits
+        _renewed_after_fork.add(self)
         if metrics is not None:
             weakref.finalize(self, self._tally.flush)  # counts of a buffer the engine drops are kept
             try:  # the gauges hold this buffer weakly: dropped, it is collected and they read 0
@@ -97,6 +99,11 @@ class SignalBufferCore:
 
     def _now_locked(self, out: list[Decision]) -> tuple[float, float]:
         raise NotImplementedError
+
+    def _after_fork_in_child(self) -> None:
+        """A lock another thread held at the fork would stay held in the child forever: a new one."""
+        self._lock = threading.Lock()
+        self._tally.renew(self._lock)
 
     # -- reads ------------------------------------------------------------------------------------------------
 
@@ -216,3 +223,6 @@ class SignalBufferCore:
             self._counts[_EXPIRED] += 1
             out.append(decision(_EXPIRED, slot, entry.tokens, None, wall - entry.wall))
         self._expire_at = math.inf
+
+
+_renewed_after_fork = renewed_after_fork(SignalBufferCore._after_fork_in_child)

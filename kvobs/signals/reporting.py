@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import threading
-import weakref
 from bisect import bisect_right
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -29,9 +27,9 @@ from opentelemetry import trace
 
 from kvobs import semconv as sc
 from kvobs.signals.records import Decision
+from kvobs.telemetry.engine_metrics import EngineMetrics
 from kvobs.telemetry.failures import STAGE_LOGGING, STAGE_METRICS, STAGE_TRACING, TelemetryFailures
 from kvobs.telemetry.logs import level_number
-from kvobs.telemetry.engine_metrics import EngineMetrics
 from kvobs.telemetry.ratelimit import RateLimitedLog
 
 FLUSH_AT = 512  # recovered waits noted before a flush is forced: bounds the memory between two scrapes
@@ -46,7 +44,7 @@ _DROPS = (sc.SIGNAL_DROPPED_INVALID, sc.SIGNAL_DROPPED_FINISHED, sc.SIGNAL_EXPIR
 class Tally:
     """Outcome counts and recovered waits of one buffer, changed only under that buffer's lock until flushed."""
 
-    __slots__ = ("counts", "waits", "_lock", "_counters", "_add_waits", "_failed", "__weakref__")
+    __slots__ = ("counts", "waits", "_lock", "_counters", "_add_waits", "_failed")
 
     def __init__(self, lock: threading.Lock, metrics: EngineMetrics | None, failed: Failed) -> None:
         self.counts: dict[str, int] = dict.fromkeys(sc.SIGNAL_OUTCOMES, 0)
@@ -55,7 +53,6 @@ class Tally:
         self._failed = failed
         self._counters = metrics.signals if metrics is not None else None
         self._add_waits = _histogram_adder(metrics.signal_buffered) if metrics is not None else None
-        _forget_in_forked_children(self)
 
     def flush(self) -> None:
         with self._lock:
@@ -80,8 +77,9 @@ class Tally:
             counts[outcome] = 0
         waits.clear()
 
-    def forget(self) -> None:
-        """In a forked child: the parent's unflushed counts are the parent's to flush."""
+    def renew(self, lock: threading.Lock) -> None:
+        """In a forked child: the buffer's new lock; the parent's unflushed counts are the parent's to flush."""
+        self._lock = lock
         for outcome in self.counts:
             self.counts[outcome] = 0
         self.waits.clear()
@@ -123,19 +121,6 @@ def _histogram_adder(child: Any) -> Callable[[list[float]], None]:
         total.inc(sum(values))
 
     return add
-
-
-_live_tallies: "weakref.WeakSet[Tally]" = weakref.WeakSet()
-_fork_hook: list[bool] = []  # holds True once the at-fork hook is registered (once per process, on first use)
-_fork_hook_lock = threading.Lock()
-
-
-def _forget_in_forked_children(tally: Tally) -> None:
-    with _fork_hook_lock:
-        if not _fork_hook:
-            os.register_at_fork(after_in_child=lambda: [t.forget() for t in list(_live_tallies)])
-            _fork_hook.append(True)
-        _live_tallies.add(tally)
 
 
 class SignalReporter:

@@ -22,6 +22,8 @@ import time
 from collections.abc import Callable, Hashable
 from typing import Any
 
+from kvobs.forks import renewed_after_fork
+
 SUPPRESSED_FIELD = "suppressed"
 
 
@@ -38,6 +40,7 @@ class RateLimitedLog:
         self._clock = clock
         self._on_error = on_error
         self._lock = threading.Lock()
+        _renewed_after_fork.add(self)
         self._last_written: dict[Hashable, float] = {}
         self._suppressed: dict[Hashable, int] = {}
 
@@ -60,3 +63,9 @@ class RateLimitedLog:
             if self._on_error is not None:
                 self._on_error()
         return True
+
+    def _after_fork_in_child(self) -> None:
+        self._lock = threading.Lock()  # another thread may have held it at the fork
+
+
+_renewed_after_fork = renewed_after_fork(RateLimitedLog._after_fork_in_child)
