@@ -2,7 +2,8 @@
 
 Three threads share one buffer, as in FastDeploy's CacheMessager:
 - the model runner reports, per layer, which batch slots hold how many prompt tokens (cumulative);
-- the scheduler registers each request's transfer task, here once after its "layer 0 ready" signal arrived;
+- the scheduler registers each request's transfer task: slot 0's before its signal, slot 1's only after its
+  "layer 0 ready" signal arrived (the race the buffer exists for);
 - the sender runs each send that may start through `obs.send` (a guarded transfer: span, metrics, lock),
   then finishes the slot's task.
 The buffer keeps the early layer0 signal, hands it over exactly once when its task registers, and drops the
