@@ -151,6 +151,10 @@ ATTR_BAD_BLOCK_IDS: Final = "kvobs.integrity.bad_block_ids"
 ATTR_SLOT: Final = "kvobs.signal.slot"
 ATTR_TOKENS: Final = "kvobs.signal.tokens"
 ATTR_NEED_TOKENS: Final = "kvobs.signal.need_tokens"
+ATTR_WAITED_S: Final = "kvobs.signal.waited_s"  # how long a dropped signal had waited
+
+# Log fields kvobs adds: how many log lines of one kind a rate-limited log left out since the last one.
+LOG_SUPPRESSED: Final = "suppressed"
 
 EVENT_INTEGRITY_BAD_BLOCKS: Final = "kvobs.integrity.bad_blocks"
 EVENT_SIGNAL_RECOVERED: Final = "kvobs.signal.recovered"

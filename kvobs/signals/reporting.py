@@ -34,7 +34,7 @@ from kvobs.telemetry.ratelimit import RateLimitedLog
 
 FLUSH_AT = 512  # recovered waits noted before a flush is forced: bounds the memory between two scrapes
 LOG_INTERVAL_S = 10.0
-ATTR_WAITED_S = "kvobs.signal.waited_s"
+ATTR_WAITED_S = sc.ATTR_WAITED_S
 
 Failed = Callable[..., None]  # failed(stage, error=None): counts and logs a swallowed telemetry failure
 _DROPS = (sc.SIGNAL_DROPPED_INVALID, sc.SIGNAL_DROPPED_FINISHED, sc.SIGNAL_EXPIRED, sc.SIGNAL_OVERFLOW,

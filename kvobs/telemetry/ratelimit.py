@@ -22,9 +22,10 @@ import time
 from collections.abc import Callable, Hashable
 from typing import Any
 
+from kvobs import semconv as sc
 from kvobs.forks import renewed_after_fork
 
-SUPPRESSED_FIELD = "suppressed"
+SUPPRESSED_FIELD = sc.LOG_SUPPRESSED
 
 
 class RateLimitedLog:
