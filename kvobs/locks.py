@@ -95,24 +95,25 @@ class _ExclusiveLock:
         raise NotImplementedError
 
     def _start_holding(self, held: Held, claim: Claim) -> None:
-        """Record the holder for `held_for()` and conflict reports; the reset is queued first, so it can
-        never be skipped."""
-        held.appendleft(self._reset_holder)
+        """Note who holds since when, for `held_for()` and conflict reports. Nothing to undo: `held_for()`
+        reads it only while the mutex is locked, and the next holder overwrites it."""
         self._since = time.monotonic()
         self._holder = claim.holder
 
     def _init_holding(self) -> None:
         self._since = 0.0
         self._holder = UNKNOWN_HOLDER
-        self._reset_holder = functools.partial(self.__dict__.update, _since=0.0, _holder=UNKNOWN_HOLDER)
         self._direct: Held = deque()
+
+    def _mutex_locked(self) -> bool:
+        raise NotImplementedError
 
     def overlaps(self, a: Claim, b: Claim) -> bool:
         return True
 
     def held_for(self) -> float:
         since = self._since
-        return time.monotonic() - since if since else 0.0
+        return time.monotonic() - since if since and self._mutex_locked() else 0.0
 
     def acquire(self, timeout: float | None = None) -> bool:
         """Take the lock outside a kvobs guard; True when acquired, False when `timeout` expired.
@@ -158,6 +159,9 @@ class ThreadLock(_ExclusiveLock):
         self._lock = threading.Lock()
         self._undo = (self._lock.release,)
         self._init_holding()
+
+    def _mutex_locked(self) -> bool:
+        return self._lock.locked()
 
     def acquire_into(
         self, held: Held, claim: Claim, timeout: float | None, on_conflict: OnConflict | None = None
@@ -287,6 +291,9 @@ class ProcessLock(_ExclusiveLock):
             return False
         self._start_holding(held, claim)
         return True
+
+    def _mutex_locked(self) -> bool:
+        return self._mutex.locked()
 
     def _flock_into(self, held: Held, deadline: float | None, on_conflict: OnConflict | None) -> bool:
         """Take the flock (its undo pushed onto `held`), polling until `deadline` while another process has it."""
