@@ -84,10 +84,10 @@ class Guard:
             t = new(args, kwargs)
             try:
                 t.acquire(skippable=True)
-                if t.skipped:
+                if t.skipped_result is not UNSET:
                     return t.skip()
                 previous = ACTIVE.get()
-                ACTIVE.set(with_added(t, previous))
+                ACTIVE.set(with_added(t, previous) if previous else (t,))
                 try:
                     if t.span is None:
                         result = func(*args, **kwargs)
@@ -97,7 +97,7 @@ class Guard:
                     ACTIVE.set(previous)
                 if result is not None and inspect.isawaitable(result):
                     _refuse_awaitable(func, result)
-                return t.returned(result, later)
+                return t.returned(result, later) if later else t.complete(result)
             except BaseException as exc:
                 t._release()
                 t.fail(exc)

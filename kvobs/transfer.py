@@ -346,6 +346,9 @@ class Transfer:
 
     def _finish(self, result: Any, moved: Any) -> Any:
         route = self.route
+        if route.policy is None and moved is None and self.moved_from is None:  # nothing to check or count
+            self.state, self.outcome = DONE, sc.OUTCOME_OK
+            return result
         if moved is None and self.moved_from is not None:
             moved = self.moved_from(result)
         if moved is not None:
