@@ -43,8 +43,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# Core module (a file, or a package directory: its modules are sampled together) -> the test files that
-# exercise it, the quickest and most telling first (pytest -x stops at the first failure).
+# Core module (a file; a package directory, or several files joined by commas: their mutants are sampled
+# together) -> the test files that exercise it, the quickest and most telling first (pytest -x stops at the
+# first failure). The comma groups are the parts split out of a core module since the issue listed them.
 MODULE_TESTS: dict[str, list[str]] = {
     "kvobs/validation.py": [
         "tests/test_mutation_gaps_validation.py", "tests/test_validation.py", "tests/test_batches.py",
@@ -61,7 +62,15 @@ MODULE_TESTS: dict[str, list[str]] = {
         "tests/test_lifecycle_defects.py", "tests/test_async.py",
     ],
     "kvobs/block_lock.py": [
+        "tests/test_mutation_gaps_block_lock.py", "tests/test_block_lock.py", "tests/test_block_lock_model.py", "tests/test_block_lock_processes.py",
+    ],
+    "kvobs/block_plan.py,kvobs/block_descriptions.py,kvobs/block_claim.py": [
         "tests/test_block_lock.py", "tests/test_block_lock_model.py", "tests/test_block_lock_processes.py",
+        "tests/test_block_lock_storm.py",
+    ],
+    "kvobs/polling.py,kvobs/forks.py": [
+        "tests/test_mutation_gaps_locks.py", "tests/test_locks.py", "tests/test_block_lock.py",
+        "tests/test_block_lock_processes.py", "tests/test_signals.py",
     ],
     "kvobs/transfer.py": [
         "tests/test_mutation_gaps_transfer.py", "tests/test_guard.py", "tests/test_async.py",
@@ -73,6 +82,10 @@ MODULE_TESTS: dict[str, list[str]] = {
         "tests/test_lifecycle_defects.py", "tests/test_batches.py", "tests/test_faults.py",
         "tests/test_integrity_wiring.py", "tests/test_validation.py",
     ],
+    "kvobs/active.py,kvobs/route.py": [
+        "tests/test_mutation_gaps_transfer.py", "tests/test_guard.py", "tests/test_lifecycle_defects.py",
+        "tests/test_async.py", "tests/test_batches.py", "tests/test_integrity_wiring.py",
+    ],
     "kvobs/signals": [
         "tests/test_signals.py", "tests/test_signals_bounds.py", "tests/test_signals_step_aligned.py",
         "tests/test_signals_ratelimit.py",
@@ -83,13 +96,21 @@ MODULE_TESTS: dict[str, list[str]] = {
     ],
 }
 
-# Mutants that cannot change behaviour, keyed by (file, the stripped source line, the mutation as printed).
-# Keyed by text rather than line number, so that edits elsewhere in a file do not unhook them.
+# Mutants that cannot change behaviour, keyed by (file, enclosing scope, the stripped source line, the mutation
+# as printed): by text rather than line number, so that edits elsewhere in a file do not unhook them.
+_RETRIED = ("a real error swallowed by the fast path is raised by ofd.granted when _wait_for_runs retries the "
+            "run (only a transient one would differ, by succeeding)")
 _CONSUMED = "the deque only consumes the undo steps and is thrown away; any maxlen runs every step"
-EQUIVALENT: dict[tuple[str, str, str], str] = {
-    ("kvobs/atomic.py", "return functools.partial(deque, map(_CALL, chain(held, (held.clear,))), 0)", "0 -> 1"):
-        _CONSUMED,
-    ("kvobs/atomic.py", "deque(map(_CALL, chain(held, (held.clear,))), 0)", "0 -> 1"): _CONSUMED,
+EQUIVALENT: dict[tuple[str, str, str, str], str] = {
+    ("kvobs/atomic.py", "one_shot_release",
+     "return functools.partial(deque, map(_CALL, chain(held, (held.clear,))), 0)", "0 -> 1"): _CONSUMED,
+    ("kvobs/atomic.py", "release_now", "deque(map(_CALL, chain(held, (held.clear,))), 0)", "0 -> 1"): _CONSUMED,
+    ("kvobs/block_lock.py", "BlockLock._lock", "try:", "statement removed"):
+        "the one-pass fast path: _wait_for_runs takes the same runs one by one (granted, waited for, or raised)",
+    ("kvobs/block_lock.py", "BlockLock._lock", "if not ofd.is_contention(exc):", "statement removed"):
+        _RETRIED,
+    ("kvobs/block_lock.py", "BlockLock._lock", "if not ofd.is_contention(exc):", "condition -> False"):
+        _RETRIED,
 }
 
 _COMPARE_SWAPS = {
@@ -118,6 +139,7 @@ class Mutant:
     id: int
     file: str  # relative to the repository root
     line: int
+    scope: str  # the enclosing class and function ("Transfer.complete"), "<module>" at the top level
     description: str
     source_line: str
     start: int  # byte offsets in the file of the span replaced by `text`
@@ -157,12 +179,20 @@ class _Finder(ast.NodeVisitor):
     """Collects (node, replacement node or source text, description) for every mutation point of a module."""
 
     def __init__(self) -> None:
-        self.found: list[tuple[ast.AST, ast.AST | str, str]] = []
+        self.found: list[tuple[ast.AST, ast.AST | str, str, str]] = []
         self._skip: set[int] = set()
+        self._scope: list[str] = []
 
     def add(self, node: ast.AST, replacement: ast.AST | str, description: str) -> None:
         if id(node) not in self._skip and hasattr(node, "end_col_offset"):
-            self.found.append((node, replacement, description))
+            self.found.append((node, replacement, description, ".".join(self._scope) or "<module>"))
+
+    def _visit_scope(self, node: ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef) -> None:
+        self._scope.append(node.name)
+        try:
+            self.generic_visit(node)
+        finally:
+            self._scope.pop()
 
     def skip_subtree(self, node: ast.AST | None) -> None:
         if node is not None:
@@ -175,7 +205,7 @@ class _Finder(ast.NodeVisitor):
 
     def visit_ClassDef(self, node: ast.ClassDef) -> None:
         self._skip_docstring(node)
-        self.generic_visit(node)
+        self._visit_scope(node)
 
     def visit_FunctionDef(self, node: ast.FunctionDef | ast.AsyncFunctionDef) -> None:
         self._skip_docstring(node)
@@ -184,7 +214,7 @@ class _Finder(ast.NodeVisitor):
                     node.args.kwarg):
             if arg is not None:
                 self.skip_subtree(arg.annotation)
-        self.generic_visit(node)
+        self._visit_scope(node)
 
     visit_AsyncFunctionDef = visit_FunctionDef
 
@@ -331,7 +361,7 @@ def find_mutants(files: list[Path], sources: dict[str, bytes]) -> list[Mutant]:
         finder.visit(tree)
         seen: set[bytes] = set()
         rel = str(path.relative_to(ROOT))
-        for node, replacement, description in sorted(
+        for node, replacement, description, scope in sorted(
                 finder.found, key=lambda f: (f[0].lineno, f[0].col_offset, f[2])):
             start = offsets[node.lineno - 1] + node.col_offset
             end = offsets[node.end_lineno - 1] + node.end_col_offset
@@ -351,15 +381,18 @@ def find_mutants(files: list[Path], sources: dict[str, bytes]) -> list[Mutant]:
                 compile(mutated, str(path), "exec")
             except SyntaxError:
                 continue
-            mutants.append(Mutant(next_id, rel, node.lineno, description, lines[node.lineno - 1].strip(),
-                                  start, end, text))
+            mutants.append(Mutant(next_id, rel, node.lineno, scope, description,
+                                  lines[node.lineno - 1].strip(), start, end, text))
             next_id += 1
     return mutants
 
 
 def module_files(module: str) -> list[Path]:
-    path = ROOT / module
-    return sorted(path.rglob("*.py")) if path.is_dir() else [path]
+    files: list[Path] = []
+    for part in module.split(","):
+        path = ROOT / part
+        files += sorted(path.rglob("*.py")) if path.is_dir() else [path]
+    return files
 
 
 # -- running ----------------------------------------------------------------------------------------------
@@ -446,7 +479,7 @@ def run_module(runner: Runner | None, module: str, args: argparse.Namespace) -> 
     print(f"\n== {module}: {len(sample)} of {len(mutants)} mutants; tests: {' '.join(tests)}", flush=True)
     if args.list:
         for m in sample:
-            print(f"  #{m.id:<4} {m.where():32} {m.description:34} | {m.source_line[:70]}")
+            print(f"  #{m.id:<4} {m.where():32} {m.scope[:30]:30} {m.description:34} | {m.source_line[:60]}")
         return report
     outcome, report.baseline_s, failed = runner.run_tests(tests, args.timeout or 1200)
     if outcome != "passed":
@@ -459,7 +492,7 @@ def run_module(runner: Runner | None, module: str, args: argparse.Namespace) -> 
     for rel, data in originals.items():  # the scratch copy may predate edits made since: use what we parsed
         runner.write(rel, data)
     for n, m in enumerate(sample, 1):
-        reason = EQUIVALENT.get((m.file, m.source_line, m.description))
+        reason = EQUIVALENT.get((m.file, m.scope, m.source_line, m.description))
         if reason:
             m.status, m.reason = "equivalent", reason
         else:
@@ -491,7 +524,7 @@ def summarise(reports: list[ModuleReport], target: float) -> bool:
         for m in r.mutants:
             if m.status in ("survived", "timeout", "equivalent"):
                 extra = f" ({m.reason})" if m.reason else ""
-                print(f"  {m.status:10} #{m.id:<4} {m.where():32} {m.description}{extra}\n"
+                print(f"  {m.status:10} #{m.id:<4} {m.where():32} in {m.scope}: {m.description}{extra}\n"
                       f"{'':16}{m.source_line}")
     return ok
 
