@@ -57,10 +57,12 @@ class Captured:
 
 @contextmanager
 def capture(engine: str = "test", **observer_options: Any) -> Iterator[Captured]:
-    """A KVObserver wired to in-memory telemetry; options are passed to KVObserver."""
+    """A KVObserver wired to in-memory telemetry; options are passed to KVObserver. A `tracer_provider` given
+    (an SDK TracerProvider) gets the in-memory exporter added, and is left running afterwards."""
     registry = observer_options.pop("registry", None) or CollectorRegistry()
     exporter = InMemorySpanExporter()
-    provider = TracerProvider()
+    given = observer_options.pop("tracer_provider", None)
+    provider = given if given is not None else TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     log_capture = structlog.testing.LogCapture()
     logger = structlog.wrap_logger(structlog.PrintLogger(), processors=[log_capture])
@@ -71,4 +73,5 @@ def capture(engine: str = "test", **observer_options: Any) -> Iterator[Captured]
     try:
         yield Captured(observer, registry, exporter, log_capture, provider)
     finally:
-        provider.shutdown()
+        if given is None:
+            provider.shutdown()

@@ -227,3 +227,15 @@ def test_multiprocess_lock_held_gauge_is_refreshed_while_the_holder_is_stuck(tmp
     finally:
         holder.wait(timeout=60)
     assert 0 < first < second
+
+
+def test_capture_with_a_tracer_provider_of_ones_own():
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from kvobs.testing import capture
+
+    provider = TracerProvider()
+    with capture(tracer_provider=provider, integrity=None) as cap:
+        cap.observer.begin("send", block_ids=[1]).complete()
+        assert [s.name for s in cap.spans] == ["kvobs.send"]
+    provider.get_tracer("still-running").start_span("after").end()  # not shut down by capture
