@@ -13,13 +13,14 @@ import subprocess
 import sys
 import textwrap
 import threading
+from collections import deque
 from pathlib import Path
 
 import pytest
 
-import kvobs
 from kvobs import semconv as sc
-from kvobs.locks import LockTimeout, NullLock, ProcessLock, ThreadLock
+from kvobs.atomic import release_now
+from kvobs.locks import Claim, LockTimeout, NullLock, ProcessLock, ThreadLock
 from kvobs.testing import capture
 
 REPO = Path(__file__).resolve().parents[1]
@@ -49,7 +50,7 @@ def hold_in_thread(lock, release_after: threading.Event | None = None):
 def run_python(code: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env,
-                          timeout=60)
+                          timeout=60, check=False)
 
 
 # -- who a waiter waited for ------------------------------------------------------------------------------------
@@ -137,14 +138,19 @@ def test_a_holder_in_another_process_is_reported_as_unknown(tmp_path):
 def test_a_contended_acquire_waits_for_the_holder(tmp_path, kind, timeout):
     lock = make_lock(kind, tmp_path)
     release, holder = hold_in_thread(lock)
-    waiter_result = []
-    waiter = threading.Thread(target=lambda: waiter_result.append(lock.acquire(timeout)))
+    waiting = threading.Event()  # set by the conflict report, just before the waiter blocks
+    held: deque = deque()
+    result = []
+    waiter = threading.Thread(
+        target=lambda: result.append(lock.acquire_into(held, Claim("waiter"), timeout, lambda who: waiting.set())))
     waiter.start()
-    threading.Event().wait(0.05)  # the waiter is (most likely) waiting by now; either way it must succeed
+    assert waiting.wait(10)
     release.set()
     holder.join()
     waiter.join(10)
-    assert waiter_result == [True]
+    assert result == [True]
+    release_now(held)
+    assert lock.acquire(0)
     lock.release()
 
 
@@ -165,9 +171,8 @@ def test_with_a_zero_timeout_lock_that_is_held_raises_at_once_saying_zero_second
     lock = make_lock(kind, tmp_path, timeout=0)
     release, holder = hold_in_thread(lock)
     try:
-        with pytest.raises(LockTimeout) as info:
-            with lock:
-                raise AssertionError("never entered")
+        with pytest.raises(LockTimeout) as info, lock:
+            raise AssertionError("never entered")
     finally:
         release.set()
         holder.join()

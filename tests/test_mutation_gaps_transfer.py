@@ -13,6 +13,7 @@ import threading
 import pytest
 import torch
 from opentelemetry import trace
+from support import lock_is_free, lock_is_free_from_other_thread
 
 import kvobs
 from kvobs import active
@@ -20,7 +21,6 @@ from kvobs import semconv as sc
 from kvobs.integrity import CorruptKVError
 from kvobs.locks import ThreadLock
 from kvobs.testing import capture
-from support import lock_is_free, lock_is_free_from_other_thread
 
 
 def kv_cache(blocks=8):
@@ -38,10 +38,10 @@ def checked():
 
 def test_with_prefetch_checks_the_blocks_it_loaded_on_exit_and_raises_what_it_finds(checked):
     cache = kv_cache()
-    with pytest.raises(CorruptKVError) as info:
-        with checked.observer.transfer("prefetch", block_ids=[2, 5], cache=cache):
-            assert not lock_is_free_from_other_thread(checked.observer.lock)
-            cache[5, 1, 3] = float("nan")  # the "load" brings a bad value into a destination block
+    with pytest.raises(CorruptKVError) as info, \
+            checked.observer.transfer("prefetch", block_ids=[2, 5], cache=cache):
+        assert not lock_is_free_from_other_thread(checked.observer.lock)
+        cache[5, 1, 3] = float("nan")  # the "load" brings a bad value into a destination block
     assert info.value.bad_block_ids == (5,)
     assert "prefetch" in str(info.value)
     assert lock_is_free(checked.observer.lock)
@@ -166,9 +166,8 @@ def _with_ok(obs):
 
 
 def _with_raising(obs):
-    with pytest.raises(KeyError):
-        with obs.transfer("write_back", block_ids=[1]):
-            raise KeyError("boom")
+    with pytest.raises(KeyError), obs.transfer("write_back", block_ids=[1]):
+        raise KeyError("boom")
 
 
 def _begin_complete(obs):
