@@ -174,7 +174,8 @@ class ThreadLock(_ExclusiveLock):
                 on_conflict(self._holder)
             if timeout == 0 or not push_if(held, lock.release, lock.acquire, True, _wait_arg(timeout)):
                 return False
-        self._start_holding(held, claim)
+        self._since = time.monotonic()  # _start_holding, inlined on the hot path
+        self._holder = claim.holder
         return True
 
     def __repr__(self) -> str:

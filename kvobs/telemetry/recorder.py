@@ -66,6 +66,7 @@ class Ended(Protocol):
     t_acquired: float
     t_end: float
     blocks: Any  # kvobs.validation.Blocks | None
+    _moved: Any  # the Blocks that completion said moved, or None
     requests: dict[Any, int] | None  # a batch: request id -> its block count
     request_blocks: Any  # a batch: request id -> its block ids, as given
 
@@ -216,7 +217,9 @@ class Recorder:
                 moved = self._moved(t)
                 blocks, nbytes = t.blocks.count, sum(map(_THIRD, moved))
             else:
-                blocks, nbytes = self._single(t)
+                moved_blocks = t._moved if t._moved is not None else t.blocks
+                blocks = moved_blocks.count if moved_blocks is not None else 0
+                nbytes = t.nbytes if t.nbytes is not None else blocks * self.block_bytes
                 moved = None
             metrics = self.metrics
             if metrics is not None:
@@ -298,12 +301,6 @@ class Recorder:
             getattr(self.logger, method)(event, engine=self.engine, path=self.path, **fields)
         except Exception as exc:  # noqa: BLE001
             self.failed("logging", exc)
-
-    def _single(self, t: Ended) -> tuple[int, int]:
-        """(blocks, bytes) a transfer moved: its own `nbytes`, else blocks x the block size."""
-        moved = t.moved_blocks()
-        count = moved.count if moved is not None else 0
-        return count, t.nbytes if t.nbytes is not None else count * self.block_bytes
 
     def _moved(self, t: Ended) -> list[tuple[Any, int, int]]:
         """(request id, blocks, bytes) per request of a batch; the batch's own `nbytes` shared out by blocks.
