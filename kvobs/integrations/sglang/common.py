@@ -1,11 +1,17 @@
-"""What every SGLang hook shares: the lock rule, and reporting a hook's own failure without raising."""
+"""What every SGLang hook shares: the lock rule, reporting a hook's own failure without raising, and the
+state both sides of a PD transfer keep."""
 
 from __future__ import annotations
 
-from typing import Any
+import threading
+from typing import TYPE_CHECKING, Any
 
 from kvobs.locks import ProcessLock, ThreadLock
 from kvobs.observer import KVObserver
+
+if TYPE_CHECKING:
+    from kvobs.integrations.sglang.carrier import RoomCarriers
+    from kvobs.integrations.sglang.pd_caches import ManagerCaches
 
 
 def refuse_global_lock(obs: KVObserver) -> None:
@@ -38,6 +44,19 @@ class HookErrors:
                                error=repr(exc))
         except Exception:  # noqa: BLE001, S110 - a broken logger must not break the engine either
             pass
+
+
+class RoomHooks:
+    """State both sides of a PD transfer share: the manager's caches, the rooms' trace carriers, the poll
+    states that end a transfer, and one mutex for the per-object tables a subclass keeps."""
+
+    def __init__(self, obs: KVObserver, caches: ManagerCaches, carriers: RoomCarriers, poll: Any) -> None:
+        self.obs = obs
+        self._caches = caches
+        self._carriers = carriers
+        self._success, self._failed = poll.Success, poll.Failed
+        self._errors = HookErrors(obs)
+        self._lock = threading.Lock()
 
 
 def node_id(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

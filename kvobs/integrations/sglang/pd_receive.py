@@ -15,7 +15,6 @@ aborts the request through its usual path. A room that fails is recorded as a fa
 
 from __future__ import annotations
 
-import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -23,22 +22,17 @@ from typing import Any
 from kvobs import semconv as sc
 from kvobs.errors import CorruptKVError, KVObsError
 from kvobs.integrations.sglang.carrier import RoomCarriers, split_trace_context
-from kvobs.integrations.sglang.common import HookErrors
+from kvobs.integrations.sglang.common import RoomHooks
 from kvobs.integrations.sglang.errors import CopyNotConfirmed
 from kvobs.integrations.sglang.pd_caches import ManagerCaches
 from kvobs.observer import KVObserver
 
 
-class Receivers:
+class Receivers(RoomHooks):
     """Hooks of CommonKVReceiver (send_metadata, poll) and of the manager's status parser."""
 
     def __init__(self, obs: KVObserver, caches: ManagerCaches, carriers: RoomCarriers, poll: Any) -> None:
-        self.obs = obs
-        self._caches = caches
-        self._carriers = carriers
-        self._success, self._failed = poll.Success, poll.Failed
-        self._errors = HookErrors(obs)
-        self._lock = threading.Lock()
+        super().__init__(obs, caches, carriers, poll)
         self._pages: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
     def send_metadata(self, original: Callable[..., Any], receiver: Any, kv_indices: Any, *args: Any,

@@ -14,7 +14,6 @@ aborts the request at its next poll and the decode side stops waiting. Nothing h
 
 from __future__ import annotations
 
-import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,7 +22,7 @@ from typing import Any
 from kvobs import semconv as sc
 from kvobs.errors import CorruptKVError, KVObsError, LockTimeout
 from kvobs.integrations.sglang.carrier import RoomCarriers, with_trace_context
-from kvobs.integrations.sglang.common import HookErrors
+from kvobs.integrations.sglang.common import RoomHooks
 from kvobs.integrations.sglang.errors import CopyNotConfirmed
 from kvobs.integrations.sglang.pd_caches import ManagerCaches
 from kvobs.observer import KVObserver
@@ -36,16 +35,11 @@ class SenderState:
     carrier: dict[str, str] | None = None  # the first chunk's trace context
 
 
-class Senders:
+class Senders(RoomHooks):
     """Hooks of CommonKVSender (send, poll, poll_pp_consensus, abort) and of the manager's status encoder."""
 
     def __init__(self, obs: KVObserver, caches: ManagerCaches, carriers: RoomCarriers, poll: Any) -> None:
-        self.obs = obs
-        self._caches = caches
-        self._carriers = carriers
-        self._success, self._failed = poll.Success, poll.Failed
-        self._errors = HookErrors(obs)
-        self._lock = threading.Lock()
+        super().__init__(obs, caches, carriers, poll)
         self._states: weakref.WeakKeyDictionary[Any, SenderState] = weakref.WeakKeyDictionary()
 
     def _state(self, sender: Any) -> SenderState:
