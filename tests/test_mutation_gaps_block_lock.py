@@ -47,3 +47,20 @@ def test_a_waiting_reader_is_told_of_the_writer_not_of_a_reader_beside_it(lock: 
     assert granted is not None  # shares block 0 with the other reader
     release_now(granted)
     release_now(reader)
+
+
+@pytest.mark.parametrize("block", [0, 63])
+def test_a_whole_cache_claim_waits_for_and_names_the_holder_of_the_first_and_last_block(lock: BlockLock,
+                                                                                      block: int) -> None:
+    reader = claim(lock, (block,), exclusive=False, holder="send")
+    assert reader is not None
+    conflicts: list[str] = []
+    try:
+        assert claim(lock, (), exclusive=True, holder="forward", timeout=0.05, conflicts=conflicts) is None
+    finally:
+        release_now(reader)
+    assert conflicts == ["send"]
+    whole = claim(lock, (), exclusive=True, holder="forward")
+    assert whole is not None
+    assert claim(lock, (block,), exclusive=False, holder="send") is None
+    release_now(whole)

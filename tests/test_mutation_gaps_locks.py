@@ -253,3 +253,30 @@ def test_a_forked_child_that_cannot_reopen_its_lock_file_is_warned_and_never_sha
     messages, took = json.loads(result.stdout)
     assert took is not True  # no descriptor: the lock is refused on use, so it is never shared
     assert len(messages) == 1 and "cannot re-open" in messages[0] and "kvobs-kv" in messages[0]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_first_holder_of_a_new_lock_is_unknown_until_it_has_noted_itself(tmp_path, kind):
+    """Between taking the mutex and noting who it is, a holder is anonymous: a waiter that looks then at a
+    new lock (or a forked child's fresh one) is told "unknown", not an error. Here the mutex is taken
+    directly, as at the very start of an acquisition."""
+    lock = make_lock(kind, tmp_path)
+    mutex = lock._lock if kind == "thread" else lock._mutex
+    assert mutex.acquire(False)
+    try:
+        conflicts: list[str] = []
+        assert not lock.acquire_into(deque(), Claim("waiter"), 0, conflicts.append)
+        assert conflicts == ["unknown"]
+    finally:
+        mutex.release()
+
+
+def test_the_null_lock_holds_nothing_and_overlaps_nothing():
+    lock = NullLock("off")
+    with lock as entered:
+        assert entered is lock
+    assert lock.acquire(0) is True
+    lock.release()
+    assert lock.overlaps(Claim("prefetch"), Claim("forward")) is False
+    assert lock.held_for() == 0.0
+    assert lock.acquire_into(deque(), Claim("prefetch"), 0) is True

@@ -100,11 +100,26 @@ MODULE_TESTS: dict[str, list[str]] = {
 # as printed): by text rather than line number, so that edits elsewhere in a file do not unhook them.
 _RETRIED = ("a real error swallowed by the fast path is raised by ofd.granted when _wait_for_runs retries the "
             "run (only a transient one would differ, by succeeding)")
+_ONE_RUN_TEST = "if last - first == count - 1 and all(map(operator.lt, blocks, islice(blocks, 1, None))):"
+_ONE_RUN = "the one-run fast path: _runs finds the same single run"
 _CONSUMED = "the deque only consumes the undo steps and is thrown away; any maxlen runs every step"
 EQUIVALENT: dict[tuple[str, str, str, str], str] = {
     ("kvobs/atomic.py", "one_shot_release",
      "return functools.partial(deque, map(_CALL, chain(held, (held.clear,))), 0)", "0 -> 1"): _CONSUMED,
     ("kvobs/atomic.py", "release_now", "deque(map(_CALL, chain(held, (held.clear,))), 0)", "0 -> 1"): _CONSUMED,
+    ("kvobs/locks.py", "_ExclusiveLock.__enter__", "raise LockTimeout(self.name, self.timeout or 0.0)",
+     "operand 2 of 'or' removed"):
+        "only a timeout of 0 gets here (None waits until acquired): 0 and 0.0 compare and print the same",
+    ("kvobs/locks.py", "<module>", "_FIRST_SLEEP_S = 50e-6", "5e-05 -> 0.0"):
+        "performance only: a first pause of 0 turns the back-off into a busy poll with the same results",
+    ("kvobs/block_plan.py", "BlockPlanner.plan", _ONE_RUN_TEST, "condition -> False"): _ONE_RUN,
+    ("kvobs/block_plan.py", "BlockPlanner.plan", _ONE_RUN_TEST, "1 -> 2"):
+        _ONE_RUN + " (sorted distinct ids never span count - 2, so the fast path is never taken)",
+    ("kvobs/block_plan.py", "BlockPlanner.locked_blocks", "return set(claim.blocks)", "statement removed"):
+        "the no-gap fast path: without bridging, the plan's runs are exactly the claim's blocks (whole-cache "
+        "claims never get here: overlaps() answers them first)",
+    ("kvobs/block_plan.py", "BlockPlanner._runs", "if block < expected:", "'<' -> '<='"):
+        "only reached when block != expected",
     ("kvobs/block_lock.py", "BlockLock._lock", "try:", "statement removed"):
         "the one-pass fast path: _wait_for_runs takes the same runs one by one (granted, waited for, or raised)",
     ("kvobs/block_lock.py", "BlockLock._lock", "if not ofd.is_contention(exc):", "statement removed"):
