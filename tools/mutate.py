@@ -65,7 +65,7 @@ MODULE_TESTS: dict[str, list[str]] = {
         "tests/test_mutation_gaps_block_lock.py", "tests/test_block_lock.py", "tests/test_block_lock_model.py", "tests/test_block_lock_processes.py",
     ],
     "kvobs/block_plan.py,kvobs/block_descriptions.py,kvobs/block_claim.py": [
-        "tests/test_block_lock.py", "tests/test_block_lock_model.py", "tests/test_block_lock_processes.py",
+        "tests/test_mutation_gaps_block_lock.py", "tests/test_block_lock.py", "tests/test_block_lock_model.py", "tests/test_block_lock_processes.py",
         "tests/test_block_lock_storm.py",
     ],
     "kvobs/polling.py,kvobs/forks.py": [
