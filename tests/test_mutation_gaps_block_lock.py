@@ -64,3 +64,15 @@ def test_a_whole_cache_claim_waits_for_and_names_the_holder_of_the_first_and_las
     assert whole is not None
     assert claim(lock, (block,), exclusive=False, holder="send") is None
     release_now(whole)
+
+
+def test_a_closed_lock_refuses_claims_even_with_descriptions_that_were_idle(tmp_path: Path) -> None:
+    """close() closes the pooled descriptions too: none may be handed to a later claim (its number may by then
+    belong to another file)."""
+    lock = BlockLock("kv", 8, directory=tmp_path)
+    held = claim(lock, (1,), exclusive=True, holder="prefetch")
+    assert held is not None
+    release_now(held)  # its description is back in the pool, idle
+    lock.close()
+    with pytest.raises(ValueError, match="closed"):
+        claim(lock, (1,), exclusive=True, holder="prefetch")
