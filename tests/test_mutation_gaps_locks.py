@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from kvobs import polling
 from kvobs import semconv as sc
 from kvobs.atomic import release_now
 from kvobs.locks import Claim, LockTimeout, NullLock, ProcessLock, ThreadLock
@@ -280,3 +281,51 @@ def test_the_null_lock_holds_nothing_and_overlaps_nothing():
     assert lock.overlaps(Claim("prefetch"), Claim("forward")) is False
     assert lock.held_for() == 0.0
     assert lock.acquire_into(deque(), Claim("prefetch"), 0) is True
+
+
+# -- the back-off of a lock that can only be tried --------------------------------------------------------------
+
+
+class _Clock:
+    """time for kvobs.polling: pauses are recorded and advance a clock instead of sleeping."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.pauses: list[float] = []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.pauses.append(seconds)
+        self.now += seconds
+
+
+def _attempts(failures: int):
+    calls = []
+
+    def attempt() -> bool:
+        calls.append(1)
+        return len(calls) > failures
+
+    return attempt, calls
+
+
+@pytest.mark.parametrize("deadline", [None, 1e9])
+def test_polling_pauses_double_up_to_the_cap_until_the_attempt_succeeds(monkeypatch, deadline):
+    clock = _Clock()
+    monkeypatch.setattr(polling, "time", clock)
+    attempt, calls = _attempts(failures=6)
+    assert polling.poll(attempt, deadline, 1.0, 8.0) is True
+    assert len(calls) == 7
+    assert clock.pauses == [1.0, 2.0, 4.0, 8.0, 8.0, 8.0]
+
+
+def test_polling_stops_at_the_deadline_and_never_pauses_past_it(monkeypatch):
+    clock = _Clock()
+    monkeypatch.setattr(polling, "time", clock)
+    attempt, calls = _attempts(failures=1000)
+    assert polling.poll(attempt, clock.now + 10.0, 1.0, 8.0) is False
+    assert clock.pauses == [1.0, 2.0, 4.0, 3.0]  # the last pause ends exactly at the deadline
+    assert len(calls) == 5  # one try at the deadline itself, then no more
+    assert polling.poll(lambda: True, clock.now - 1.0, 1.0, 8.0) is True  # a free lock is taken, deadline or not
