@@ -306,6 +306,7 @@ def _attempts(failures: int):
 
     def attempt() -> bool:
         calls.append(1)
+        assert len(calls) < 100, "polled on and on without pausing"
         return len(calls) > failures
 
     return attempt, calls

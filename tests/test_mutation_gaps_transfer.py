@@ -363,3 +363,34 @@ def test_an_ended_transfer_is_not_left_in_the_callers_context(cap):
     with obs.transfer("send", block_ids=[1]):
         assert len(active.ACTIVE.get()) == 1
     assert active.ACTIVE.get() == ()
+
+
+@pytest.mark.parametrize("outer_form", ["with", "decorator"])
+def test_reentry_is_refused_through_a_transfer_on_another_lock(registry, outer_form):
+    """A (lock 1) runs B (lock 2), which calls C on lock 1: C must be refused at once, not wait for A (its
+    own caller) until the timeout. So the context's active transfers keep A while B is added."""
+    cache_obs = kvobs.KVObserver("cache", registry=registry, integrity=None, lock_timeout=5.0)
+    link_obs = kvobs.KVObserver("link", registry=registry, integrity=None, lock_timeout=5.0)
+
+    @cache_obs.prefetch(block_ids="ids")
+    def c(ids):
+        return "c"
+
+    @link_obs.send(block_ids="ids")
+    def b(ids):
+        return c(ids)
+
+    @cache_obs.write_back(block_ids="ids")
+    def a(ids):
+        return b(ids)
+
+    with pytest.raises(kvobs.ReentrantLockError, match="already holds it for write_back"):
+        if outer_form == "decorator":
+            a([1])
+        else:
+            with cache_obs.transfer("write_back", block_ids=[1]):
+                b([1])
+    assert cache_obs.lock.acquire(0)
+    cache_obs.lock.release()
+    assert link_obs.lock.acquire(0)
+    link_obs.lock.release()

@@ -120,6 +120,9 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
         "claims never get here: overlaps() answers them first)",
     ("kvobs/block_plan.py", "BlockPlanner._runs", "if block < expected:", "'<' -> '<='"):
         "only reached when block != expected",
+    ("kvobs/active.py", "<module>",
+     'ACTIVE: ContextVar[tuple[Any, ...]] = ContextVar("kvobs_active_transfers", default=())',
+     "'kvobs_active_transfers' -> 'XXkvobs_active_transfersXX'"): "a context variable's name only shows in its repr",
     ("kvobs/block_lock.py", "BlockLock._lock", "try:", "statement removed"):
         "the one-pass fast path: _wait_for_runs takes the same runs one by one (granted, waited for, or raised)",
     ("kvobs/block_lock.py", "BlockLock._lock", "if not ofd.is_contention(exc):", "statement removed"):
@@ -248,7 +251,9 @@ class _Finder(ast.NodeVisitor):
         self.skip_subtree(node)
 
     def visit_Assign(self, node: ast.Assign) -> None:
-        if any(isinstance(t, ast.Name) and t.id in ("__all__", "__slots__") for t in node.targets):
+        typing_only = isinstance(node.value, ast.Call) and isinstance(node.value.func, ast.Name) \
+            and node.value.func.id in ("TypeVar", "ParamSpec", "NewType")
+        if typing_only or any(isinstance(t, ast.Name) and t.id in ("__all__", "__slots__") for t in node.targets):
             self.skip_subtree(node)
             return
         self._statement(node)
