@@ -71,7 +71,7 @@ class Transfer:
     skipped_result: Any = UNSET
     _held: Any = ()
     _release: Callable[[], Any] = staticmethod(tuple)  # nothing is held before acquire: a C-level no-op
-    _moved: Blocks | None = None
+    reported_moved: Blocks | None = None  # the blocks completion said moved (None: all of them)
     _cache_info: Any = None
 
     def __init__(self, route: Route, **values: Any) -> None:
@@ -352,10 +352,10 @@ class Transfer:
         if moved is None and self.moved_from is not None:
             moved = self.moved_from(result)
         if moved is not None:
-            self._moved = resolve_blocks(self.path, moved, capacity=route.capacity, page_size=route.page_size)
+            self.reported_moved = resolve_blocks(self.path, moved, capacity=route.capacity, page_size=route.page_size)
         self.state, self.outcome = DONE, sc.OUTCOME_OK
         if not route.reads_blocks and route.policy is not None:
-            replacement = self._check(self._moved or self.blocks, can_replace=True)
+            replacement = self._check(self.reported_moved or self.blocks, can_replace=True)
             if replacement is not UNSET:
                 self.outcome = sc.OUTCOME_REJECTED
                 return replacement
@@ -393,7 +393,7 @@ class Transfer:
 
     def moved_blocks(self) -> Blocks | None:
         """The blocks that moved: what completion said, else all the transfer's blocks."""
-        return self._moved if self._moved is not None else self.blocks
+        return self.reported_moved if self.reported_moved is not None else self.blocks
 
     def __repr__(self) -> str:
         return f"<kvobs.Transfer {self.path} {self.state} key={self.key!r} request_id={self.request_id!r}>"

@@ -66,7 +66,7 @@ class Ended(Protocol):
     t_acquired: float
     t_end: float
     blocks: Any  # kvobs.validation.Blocks | None
-    _moved: Any  # the Blocks that completion said moved, or None
+    reported_moved: Any  # the Blocks that completion said moved, or None
     requests: dict[Any, int] | None  # a batch: request id -> its block count
     request_blocks: Any  # a batch: request id -> its block ids, as given
 
@@ -217,7 +217,7 @@ class Recorder:
                 moved = self._moved(t)
                 blocks, nbytes = t.blocks.count, sum(map(_THIRD, moved))
             else:
-                moved_blocks = t._moved if t._moved is not None else t.blocks
+                moved_blocks = t.reported_moved if t.reported_moved is not None else t.blocks
                 blocks = moved_blocks.count if moved_blocks is not None else 0
                 nbytes = t.nbytes if t.nbytes is not None else blocks * self.block_bytes
                 moved = None
