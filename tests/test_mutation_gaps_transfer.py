@@ -18,6 +18,7 @@ from support import lock_is_free, lock_is_free_from_other_thread
 import kvobs
 from kvobs import active
 from kvobs import semconv as sc
+from kvobs.block_lock import BlockLock
 from kvobs.integrity import CorruptKVError
 from kvobs.locks import ThreadLock
 from kvobs.testing import capture
@@ -394,3 +395,39 @@ def test_reentry_is_refused_through_a_transfer_on_another_lock(registry, outer_f
     cache_obs.lock.release()
     assert link_obs.lock.acquire(0)
     link_obs.lock.release()
+
+
+# -- a transfer that names no blocks claims the whole cache, shared for reading paths --------------------------
+
+
+def test_transfers_naming_no_blocks_share_the_whole_cache_when_they_read_and_exclude_when_they_write(tmp_path,
+                                                                                                 registry):
+    lock = BlockLock("whole", 16, directory=tmp_path)
+    obs = kvobs.KVObserver("whole", registry=registry, integrity=None, lock=lock, lock_timeout=0.2)
+    inside, leave = threading.Event(), threading.Event()
+
+    @obs.write_back()
+    def write_all():
+        inside.set()
+        leave.wait(10)
+
+    @obs.send()
+    def send_all():
+        return "sent"
+
+    @obs.prefetch()
+    def fetch_all():
+        return "fetched"
+
+    writer = threading.Thread(target=write_all)
+    writer.start()
+    try:
+        assert inside.wait(10)
+        assert send_all() == "sent"  # another reader of the whole cache: shared
+        with pytest.raises(kvobs.LockTimeout):
+            fetch_all()  # a writer of the whole cache: excluded while the reader holds
+    finally:
+        leave.set()
+        writer.join()
+    assert fetch_all() == "fetched"
+    lock.close()

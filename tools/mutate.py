@@ -102,6 +102,7 @@ _RETRIED = ("a real error swallowed by the fast path is raised by ofd.granted wh
             "run (only a transient one would differ, by succeeding)")
 _ONE_RUN_TEST = "if last - first == count - 1 and all(map(operator.lt, blocks, islice(blocks, 1, None))):"
 _ONE_RUN = "the one-run fast path: _runs finds the same single run"
+_WITH_ADDED = "return tuple(a for a in active if a.holds()) + (t,) if active else (t,)"
 _CONSUMED = "the deque only consumes the undo steps and is thrown away; any maxlen runs every step"
 EQUIVALENT: dict[tuple[str, str, str, str], str] = {
     ("kvobs/atomic.py", "one_shot_release",
@@ -123,6 +124,12 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
     ("kvobs/active.py", "<module>",
      'ACTIVE: ContextVar[tuple[Any, ...]] = ContextVar("kvobs_active_transfers", default=())',
      "'kvobs_active_transfers' -> 'XXkvobs_active_transfersXX'"): "a context variable's name only shows in its repr",
+    ("kvobs/active.py", "with_added", _WITH_ADDED, "condition -> True"):
+        "the empty-context fast path: () + (t,) is (t,)",
+    ("kvobs/active.py", "forget", "if t in active:", "condition -> True"):
+        "setting the context to the same transfers again changes nothing",
+    ("kvobs/route.py", "<module>", "@dataclass(eq=False)", "False -> True"):
+        "nothing compares or hashes routes (a transfer finds its lock through `route.lock is`)",
     ("kvobs/block_lock.py", "BlockLock._lock", "try:", "statement removed"):
         "the one-pass fast path: _wait_for_runs takes the same runs one by one (granted, waited for, or raised)",
     ("kvobs/block_lock.py", "BlockLock._lock", "if not ofd.is_contention(exc):", "statement removed"):
