@@ -128,7 +128,7 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
         "the empty-context fast path: () + (t,) is (t,)",
     ("kvobs/active.py", "forget", "if t in active:", "condition -> True"):
         "setting the context to the same transfers again changes nothing",
-    ("kvobs/route.py", "<module>", "@dataclass(eq=False)", "False -> True"):
+    ("kvobs/route.py", "Route", "@dataclass(eq=False)", "False -> True"):
         "nothing compares or hashes routes (a transfer finds its lock through `route.lock is`)",
     ("kvobs/block_lock.py", "BlockLock._lock", "try:", "statement removed"):
         "the one-pass fast path: _wait_for_runs takes the same runs one by one (granted, waited for, or raised)",
