@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 import torch
-
 import upstream
 from upstream import sglang, vllm  # noqa: F401  (fixtures)
 
@@ -213,76 +212,12 @@ def test_vllm_offloading_connector_builds_both_halves_on_cpu(vllm: upstream.Upst
     assert type(worker.connector_worker).__name__ == "OffloadingConnectorWorker"
 
 
-# A test offloading backend, plugged in through vLLM's own out-of-tree spec mechanism
-# (kv_connector_extra_config spec_name / spec_module_path): copies on a real thread, as the CUDA
-# backend copies on a stream, and reports completions through get_finished.
-_thread_spec_classes: dict[int, type] = {}
-
-
-def __getattr__(name: str) -> Any:
-    if name != "ThreadOffloadingSpec":
-        raise AttributeError(name)
-    engine = upstream.require("vllm")
-    if id(engine) not in _thread_spec_classes:
-        _thread_spec_classes[id(engine)] = _make_thread_spec(engine)
-    return _thread_spec_classes[id(engine)]
-
-
-def _make_thread_spec(vllm: upstream.Upstream) -> type:
-    base = vllm.module("vllm.v1.kv_offload.base")
-    cpu_spec = vllm.attr("vllm.v1.kv_offload.cpu.spec:CPUOffloadingSpec")
-
-    class ThreadOffloadingWorker(base.OffloadingWorker):
-        def __init__(self, kv_caches: Any, num_host_blocks: int) -> None:
-            self.device = [t.tensor for t in kv_caches.tensors]
-            self.host = [torch.zeros(num_host_blocks, t.shape[1], dtype=torch.int8) for t in self.device]
-            self.submitted: list[tuple[str, int]] = []
-            self._finished: list[Any] = []
-            self._threads: dict[int, threading.Thread] = {}
-            self._lock = threading.Lock()
-
-        def _copy(self, job_id: int, sources: list[Any], targets: list[Any], src: Any, dst: Any) -> None:
-            def run() -> None:
-                for source, target in zip(sources, targets):
-                    target[torch.from_numpy(dst.block_ids).long()] = source[
-                        torch.from_numpy(src.block_ids).long()]
-                with self._lock:
-                    self._finished.append(base.TransferResult(job_id=job_id, success=True))
-            self._threads[job_id] = threading.Thread(target=run)
-            self._threads[job_id].start()
-
-        def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
-            self.submitted.append(("store", job_id))
-            self._copy(job_id, self.device, self.host, src_spec, dst_spec)
-            return True
-
-        def submit_load(self, job_id: int, src_spec: Any, dst_spec: Any, expedited: bool = False) -> bool:
-            self.submitted.append(("load", job_id))
-            self._copy(job_id, self.host, self.device, src_spec, dst_spec)
-            return True
-
-        def get_finished(self) -> list[Any]:
-            with self._lock:
-                finished, self._finished = self._finished, []
-            return finished
-
-        def wait(self, job_ids: set[int]) -> None:
-            for job_id in job_ids:
-                self._threads[job_id].join()
-
-    class ThreadOffloadingSpec(cpu_spec):
-        def get_worker(self, kv_caches: Any) -> Any:
-            if self._worker is None:
-                self._worker = ThreadOffloadingWorker(kv_caches, num_host_blocks=16)
-            return self._worker
-
-    return ThreadOffloadingSpec
-
-
 def test_vllm_offloading_load_is_submitted_at_start_load_and_reported_by_get_finished(
         vllm: upstream.Upstream) -> None:
     config = _vllm_config(vllm, kv_connector="OffloadingConnector", kv_connector_extra_config={
-        "cpu_bytes_to_use": 1 << 20, "spec_name": "ThreadOffloadingSpec", "spec_module_path": __name__})
+        "cpu_bytes_to_use": 1 << 20, "spec_name": "ThreadOffloadingSpec",
+        # copies on a real thread, as the CUDA backend copies on a stream
+        "spec_module_path": "test_integration_vllm_support"})
     num_blocks = 8
     connector = vllm.attr(f"{FACTORY}:KVConnectorFactory").create_connector(
         config, vllm.attr(f"{BASE}:KVConnectorRole").WORKER, _kv_cache_config(vllm, num_blocks))
