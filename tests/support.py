@@ -2,13 +2,39 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from concurrent import futures
 from contextlib import contextmanager
+from pathlib import Path
 
 import grpc
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.proto.collector.trace.v1 import (
+    trace_service_pb2,
+    trace_service_pb2_grpc,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@contextmanager
+def process_holding(script: str, *args: str) -> Iterator[subprocess.Popen[str]]:
+    """A separate interpreter running `script`, which prints "held" once it holds its lock and then sleeps:
+    yielded once it holds, killed on exit (a real process, so the kernel's lock semantics are what is tested)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-c", script, *args], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "held"
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+        assert proc.stdout is not None
+        proc.stdout.close()
 
 
 def lock_is_free(lock) -> bool:

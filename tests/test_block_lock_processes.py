@@ -8,20 +8,18 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from collections import deque
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from support import process_holding
 
 from kvobs.atomic import release_now
 from kvobs.block_lock import BlockLock
 from kvobs.locks import Claim
 
-REPO = Path(__file__).resolve().parents[1]
 BLOCKS = 32
 
 HOLDER = """
@@ -39,23 +37,11 @@ time.sleep(60)
 """
 
 
-@contextlib.contextmanager
 def holder_process(
     directory: Path, blocks: tuple[int, ...], exclusive: bool = True, holder: str = "prefetch"
-) -> Iterator[subprocess.Popen[str]]:
+) -> contextlib.AbstractContextManager[subprocess.Popen[str]]:
     """A separate interpreter that claims `blocks`, says so, then sleeps until killed."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    args = [sys.executable, "-c", HOLDER, "kv", str(directory), holder, "1" if exclusive else "0"]
-    proc = subprocess.Popen([*args, *map(str, blocks)], stdout=subprocess.PIPE, text=True, env=env)
-    try:
-        assert proc.stdout is not None
-        assert proc.stdout.readline().strip() == "held"
-        yield proc
-    finally:
-        proc.kill()
-        proc.wait(timeout=10)
-        assert proc.stdout is not None
-        proc.stdout.close()
+    return process_holding(HOLDER, "kv", str(directory), holder, "1" if exclusive else "0", *map(str, blocks))
 
 
 def try_claim(lock: BlockLock, blocks: tuple[int, ...], exclusive: bool = True, timeout: float = 0,

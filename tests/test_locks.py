@@ -10,17 +10,15 @@ import pickle
 import signal
 import stat
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import pytest
+from support import process_holding
 
 from kvobs.locks import CacheLock, LockTimeout, NullLock, ProcessLock, ThreadLock
-
-REPO = Path(__file__).resolve().parents[1]
 
 HOLDER = """
 import sys, time
@@ -33,22 +31,9 @@ time.sleep(60)
 """
 
 
-@contextlib.contextmanager
-def holder(name: str, directory: Path) -> Iterator[subprocess.Popen[str]]:
+def holder(name: str, directory: Path) -> contextlib.AbstractContextManager[subprocess.Popen[str]]:
     """A separate Python process that takes the lock, says so on stdout, then sleeps until killed."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen(
-        [sys.executable, "-c", HOLDER, name, str(directory)], stdout=subprocess.PIPE, text=True, env=env
-    )
-    try:
-        assert proc.stdout is not None
-        assert proc.stdout.readline().strip() == "held"
-        yield proc
-    finally:
-        proc.kill()
-        proc.wait(timeout=10)
-        assert proc.stdout is not None
-        proc.stdout.close()
+    return process_holding(HOLDER, name, str(directory))
 
 
 # --- cross-process behaviour ---------------------------------------------------------------------------
