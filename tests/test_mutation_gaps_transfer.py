@@ -431,3 +431,52 @@ def test_transfers_naming_no_blocks_share_the_whole_cache_when_they_read_and_exc
         writer.join()
     assert fetch_all() == "fetched"
     lock.close()
+
+
+# -- every input is checked, also when it is the only one given ------------------------------------------------
+
+
+_UNHASHABLE_KEY_BUG = (
+    "Transfer.validate looks the key up among open transfers before validate_key checks it is hashable, "
+    "so an unhashable key raises a raw TypeError and the rejection is not recorded (reported to the lead)")
+
+
+@pytest.mark.parametrize("values, message", [
+    pytest.param({"keys": "abc"}, "keys must be a sequence of storage keys", id="keys"),
+    pytest.param({"nbytes": -1}, "nbytes must be a non-negative int", id="nbytes"),
+    pytest.param({"key": ["not", "hashable"]}, "is not hashable", id="key",
+                 marks=pytest.mark.xfail(raises=TypeError, strict=True, reason=_UNHASHABLE_KEY_BUG)),
+    pytest.param({"cache": object()}, "cache", id="cache"),
+])
+def test_an_input_given_without_block_ids_is_still_checked(checked, values, message):
+    with pytest.raises(kvobs.TransferRejected, match=message):
+        checked.observer.transfer("write_back", **values)
+    assert checked.value(sc.TRANSFERS_TOTAL, path="write_back", outcome="rejected") == 1
+
+
+def test_sync_given_without_block_ids_is_still_checked(cap):
+    @cap.observer.prefetch(sync="is_sync")
+    def load(is_sync=True):
+        return "loaded"
+
+    assert load(is_sync=True) == "loaded"
+    with pytest.raises(kvobs.TransferRejected, match="asynchronous transfers"):
+        load(is_sync=False)
+
+
+def test_a_transfer_of_no_blocks_inside_another_on_the_same_lock_runs(cap):
+    """An empty list of blocks claims nothing, so it cannot wait for its caller: no re-entry refusal."""
+    obs = cap.observer
+
+    @obs.prefetch(block_ids="ids")
+    def inner(ids):
+        return "nothing to load"
+
+    @obs.write_back(block_ids="ids")
+    def outer(ids):
+        return inner([])
+
+    assert outer([1]) == "nothing to load"
+    with obs.transfer("write_back", block_ids=[1]):
+        assert inner([]) == "nothing to load"
+    assert cap.value(sc.TRANSFERS_TOTAL, path="prefetch", outcome="ok") == 2

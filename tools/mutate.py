@@ -73,7 +73,7 @@ MODULE_TESTS: dict[str, list[str]] = {
         "tests/test_block_lock_processes.py", "tests/test_signals.py",
     ],
     "kvobs/transfer.py": [
-        "tests/test_mutation_gaps_transfer.py", "tests/test_guard.py", "tests/test_async.py",
+        "tests/test_mutation_gaps_transfer.py", "tests/test_mutation_gaps_validation.py", "tests/test_guard.py", "tests/test_async.py",
         "tests/test_lifecycle_defects.py", "tests/test_batches.py", "tests/test_faults.py",
         "tests/test_integrity_wiring.py", "tests/test_validation.py", "tests/test_trace_propagation.py",
     ],
@@ -103,6 +103,7 @@ _RETRIED = ("a real error swallowed by the fast path is raised by ofd.granted wh
 _ONE_RUN_TEST = "if last - first == count - 1 and all(map(operator.lt, blocks, islice(blocks, 1, None))):"
 _ONE_RUN = "the one-run fast path: _runs finds the same single run"
 _WITH_ADDED = "return tuple(a for a in active if a.holds()) + (t,) if active else (t,)"
+_EXPLICIT = "a default no caller uses: start() and both guard wrappers pass skippable explicitly"
 _CONSUMED = "the deque only consumes the undo steps and is thrown away; any maxlen runs every step"
 EQUIVALENT: dict[tuple[str, str, str, str], str] = {
     ("kvobs/atomic.py", "one_shot_release",
@@ -130,6 +131,13 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
         "setting the context to the same transfers again changes nothing",
     ("kvobs/route.py", "Route", "@dataclass(eq=False)", "False -> True"):
         "nothing compares or hashes routes (a transfer finds its lock through `route.lock is`)",
+    ("kvobs/transfer.py", "Transfer.validate",
+     "if block_ids is UNSET and requests is UNSET and sync is None and self.keys is None \\", "condition -> False"):
+        "the nothing-given fast path: the full checks of no inputs end in the same whole-cache claim",
+    ("kvobs/transfer.py", "Transfer.acquire", "def acquire(self, *, skippable: bool = False) -> None:",
+     "False -> True"): _EXPLICIT,
+    ("kvobs/transfer.py", "Transfer.acquire_async",
+     "async def acquire_async(self, *, skippable: bool = False) -> None:", "False -> True"): _EXPLICIT,
     ("kvobs/block_lock.py", "BlockLock._lock", "try:", "statement removed"):
         "the one-pass fast path: _wait_for_runs takes the same runs one by one (granted, waited for, or raised)",
     ("kvobs/block_lock.py", "BlockLock._lock", "if not ofd.is_contention(exc):", "statement removed"):
