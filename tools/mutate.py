@@ -138,6 +138,8 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
      "False -> True"): _EXPLICIT,
     ("kvobs/transfer.py", "Transfer.acquire_async",
      "async def acquire_async(self, *, skippable: bool = False) -> None:", "False -> True"): _EXPLICIT,
+    ("kvobs/transfer.py", "Transfer._time_out", "if mine:", "condition -> True"):
+        "nothing else can end a transfer still waiting for its lock (it is in no open-transfer table yet)",
     ("kvobs/block_lock.py", "BlockLock._lock", "try:", "statement removed"):
         "the one-pass fast path: _wait_for_runs takes the same runs one by one (granted, waited for, or raised)",
     ("kvobs/block_lock.py", "BlockLock._lock", "if not ofd.is_contention(exc):", "statement removed"):
