@@ -480,3 +480,4 @@ def test_a_transfer_of_no_blocks_inside_another_on_the_same_lock_runs(cap):
     with obs.transfer("write_back", block_ids=[1]):
         assert inner([]) == "nothing to load"
     assert cap.value(sc.TRANSFERS_TOTAL, path="prefetch", outcome="ok") == 2
+

@@ -140,6 +140,11 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
      "async def acquire_async(self, *, skippable: bool = False) -> None:", "False -> True"): _EXPLICIT,
     ("kvobs/transfer.py", "Transfer._time_out", "if mine:", "condition -> True"):
         "nothing else can end a transfer still waiting for its lock (it is in no open-transfer table yet)",
+    ("kvobs/transfer.py", "Transfer.holds", "return self.state in _HOLDING and bool(self._held)", "'and' -> 'or'"):
+        "read only to refuse re-entry (claims of nothing are skipped, a NullLock overlaps nothing) and to prune "
+        "ended entries; held-state with nothing to release, or the reverse, exists only within an ending",
+    ("kvobs/transfer.py", "Transfer._ended", "if async_wait.waiting:", "statement removed"):
+        "performance only: a coroutine waiting for the lock still retries within its back-off (at most 5 ms)",
     ("kvobs/block_lock.py", "BlockLock._lock", "try:", "statement removed"):
         "the one-pass fast path: _wait_for_runs takes the same runs one by one (granted, waited for, or raised)",
     ("kvobs/block_lock.py", "BlockLock._lock", "if not ofd.is_contention(exc):", "statement removed"):
