@@ -115,7 +115,7 @@ class Transfer:
             if self.cache is not None and route.policy is not None:
                 self._cache_info = route.caches.inspect(self.path, self.cache, self.blocks)
             if self.key is not None:
-                validate_key(self.path, self.key, route.open is not None and route.open.find(self.path, self.key))
+                validate_key(self.path, self.key, route.open.find if route.open is not None else None)
         except TransferRejected as exc:
             self.reject(exc)
             raise

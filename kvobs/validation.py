@@ -12,7 +12,7 @@ They accept what real engines pass and still reject what is wrong:
 from __future__ import annotations
 
 import operator
-from collections.abc import Mapping, Sequence, Set
+from collections.abc import Callable, Mapping, Sequence, Set
 from typing import Any, NamedTuple
 
 from kvobs.errors import TransferRejected
@@ -98,13 +98,14 @@ def validate_nbytes(path: str, nbytes: Any) -> None:
         raise TransferRejected(path, f"nbytes must be a non-negative int, got {nbytes!r}")
 
 
-def validate_key(path: str, key: Any, already_open: Any) -> None:
-    """The key a later completion finds the transfer by: hashable, and not taken by an open transfer."""
+def validate_key(path: str, key: Any, find_open: Callable[[str, Any], Any] | None) -> None:
+    """The key a later completion finds the transfer by: hashable, and not taken by an open transfer
+    (`find_open(path, key)`, asked only once the key is known to be hashable)."""
     try:
         hash(key)
     except TypeError:
         raise TransferRejected(path, f"key {key!r} is not hashable") from None
-    if already_open:
+    if find_open is not None and find_open(path, key):
         raise TransferRejected(path, f"a {path} transfer is already open under key {key!r}")
 
 
