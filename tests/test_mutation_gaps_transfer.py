@@ -475,3 +475,25 @@ def test_a_transfer_of_no_blocks_inside_another_on_the_same_lock_runs(cap):
         assert inner([]) == "nothing to load"
     assert cap.value(sc.TRANSFERS_TOTAL, path="prefetch", outcome="ok") == 2
 
+
+
+# -- the skip policy in an async guard ----------------------------------------------------------------------------
+
+
+def test_an_async_write_back_of_corrupt_blocks_is_skipped_and_never_runs():
+    cache = kv_cache()
+    cache[3, 0, 1] = float("nan")
+    written = []
+    with capture(engine="askip", integrity=kvobs.IntegrityPolicy("skip", skip_result="skipped"),
+                 lock_timeout=2.0) as cap:
+        @cap.observer.write_back(block_ids="ids", cache=lambda ids: cache)
+        async def write_back(ids):
+            written.append(ids)
+            return "stored"
+
+        assert asyncio.run(write_back([2, 3])) == "skipped"
+        assert asyncio.run(write_back([4])) == "stored"
+        assert written == [[4]]
+        assert lock_is_free(cap.observer.lock)
+        assert cap.value(sc.TRANSFERS_TOTAL, path="write_back", outcome="rejected") == 1
+        assert cap.value(sc.TRANSFERS_TOTAL, path="write_back", outcome="ok") == 1

@@ -145,6 +145,10 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
         "ended entries; held-state with nothing to release, or the reverse, exists only within an ending",
     ("kvobs/transfer.py", "Transfer._ended", "if async_wait.waiting:", "statement removed"):
         "performance only: a coroutine waiting for the lock still retries within its back-off (at most 5 ms)",
+    ("kvobs/guard.py", "Guard._sync_wrapper.guarded", "if t.span is None:", "condition -> False"):
+        "the no-span fast path: _call_in_span runs the function the same way without a span",
+    ("kvobs/guard.py", "_call_in_span", "if span is None:", "statement removed"):
+        "unreachable: its only caller runs the function directly when there is no span",
     ("kvobs/block_lock.py", "BlockLock._lock", "try:", "statement removed"):
         "the one-pass fast path: _wait_for_runs takes the same runs one by one (granted, waited for, or raised)",
     ("kvobs/block_lock.py", "BlockLock._lock", "if not ofd.is_contention(exc):", "statement removed"):
