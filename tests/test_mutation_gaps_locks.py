@@ -182,6 +182,17 @@ def test_with_a_zero_timeout_lock_that_is_held_raises_at_once_saying_zero_second
     assert "within 0.000 s" in str(info.value)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_releasing_a_lock_that_acquire_never_took_is_a_clear_error(tmp_path, kind):
+    lock = make_lock(kind, tmp_path)
+    with pytest.raises(RuntimeError, match="which acquire\\(\\) does not hold"):
+        lock.release()
+    assert lock.acquire(0)  # the failed release took nothing away and broke nothing
+    lock.release()
+    with pytest.raises(RuntimeError, match="does not hold"):
+        lock.release()  # released once: a second release is the same clear error
+
+
 def test_locks_say_what_they_are(tmp_path):
     assert repr(ThreadLock("kv")) == "ThreadLock('kv')"
     assert repr(NullLock("off")) == "NullLock('off')"

@@ -467,6 +467,27 @@ def test_a_raising_span_and_gauge_read_are_counted_and_the_scrape_still_works():
     assert registry.get_sample_value(sc.PENDING_SIGNALS, {"engine": ENGINE}) == 1.0
 
 
+def test_a_span_that_cannot_say_whether_it_records_gets_no_event_and_one_counted_error():
+    registry, metrics = make_metrics()
+    logger = RecordingLogger()
+    buf = EarlySignalBuffer(metrics=metrics, logger=logger, clock=FakeClock())
+    events: list[str] = []
+
+    class UnsureSpan(trace.NonRecordingSpan):
+        def is_recording(self):
+            raise RuntimeError("tracer is broken")
+
+        def add_event(self, name, *args, **kwargs):
+            events.append(name)
+
+    with trace.use_span(UnsureSpan(trace.INVALID_SPAN_CONTEXT)):
+        buf.signal(1, 0, 5)
+        buf.finish(1)  # dropped_finished: described while the span cannot be asked
+    assert events == []
+    assert telemetry_errors(registry, "tracing") == 1
+    assert [event for _, event, _ in logger.records] == [sc.EVENT_SIGNAL_DROPPED]  # the log line still goes out
+
+
 def test_drops_are_span_events_on_the_current_span_with_their_age():
     exporter = InMemorySpanExporter()
     provider = TracerProvider()  # local: no process-wide state changed

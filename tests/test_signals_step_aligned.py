@@ -296,8 +296,11 @@ def test_calls_recorded_without_end_step_are_bounded_and_refused_with_a_clear_er
 
 def test_constructor_rejects_bad_settings():
     for kwargs in (dict(ttl_steps=0), dict(max_pending=0), dict(max_slots=0)):
-        with pytest.raises(ValueError):
+        (name,) = kwargs
+        with pytest.raises(ValueError, match=name):
             StepAlignedSignalBuffer(**kwargs)
+    with pytest.raises(TypeError, match="ttl_steps"):
+        StepAlignedSignalBuffer(ttl_steps=2.5)
     with pytest.raises(TypeError):
         StepAlignedSignalBuffer(on_recovered=print)  # signals are released by end_step() only
 

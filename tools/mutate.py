@@ -149,6 +149,10 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
         "the no-span fast path: _call_in_span runs the function the same way without a span",
     ("kvobs/guard.py", "_call_in_span", "if span is None:", "statement removed"):
         "unreachable: its only caller runs the function directly when there is no span",
+    ("kvobs/signals/reporting.py", "SignalReporter.describes",
+     "return outcome in _DROPS or (self._logger is not None and outcome in self._levels)", "'and' -> 'or'"):
+        "performance only: a wider answer collects more decisions, and describe() skips, by the same levels, "
+        "every one that no log line or span event records",
     ("kvobs/block_lock.py", "BlockLock._lock", "try:", "statement removed"):
         "the one-pass fast path: _wait_for_runs takes the same runs one by one (granted, waited for, or raised)",
     ("kvobs/block_lock.py", "BlockLock._lock", "if not ofd.is_contention(exc):", "statement removed"):
