@@ -3,6 +3,7 @@ and forks, and still there when numba has nowhere to cache."""
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import subprocess
 import sys
@@ -85,6 +86,14 @@ def test_bit_rules_cover_every_floating_format_torch_has():
     names = {name for name, dtype in dtypes.items() if dtype.is_floating_point}
     for name in names - {"float4_e2m1fn_x2", "half", "float", "double"}:
         assert non_finite_bits(getattr(torch, name)) is not None, name
+
+
+def test_bit_rules_are_shared_and_cannot_be_changed_by_a_caller():
+    rule = non_finite_bits(torch.bfloat16)
+    assert non_finite_bits(torch.bfloat16) is rule  # cached: one rule object serves every check
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        rule.nan_min = 0  # would make every later bf16 check flag finite values
+    assert non_finite_bits(torch.bfloat16).nan_min == 0x7F81
 
 
 def test_pieces_chunks_and_pairs_have_no_blind_spot():
