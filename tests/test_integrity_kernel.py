@@ -170,11 +170,26 @@ def test_fast_path_is_taken_where_it_applies(monkeypatch):
 def test_kernel_declines_what_it_cannot_read_fast_and_says_so():
     tiny_pieces = torch.ones(8, 64, 4, dtype=torch.float16).transpose(1, 2)  # every piece is 2 bytes
     assert validate_cache(tiny_pieces).methods == ("torch",)
+    two_small_pieces = torch.ones(8, 2, 32, dtype=torch.float16)[:, :, :16]  # 2 pieces of 32 bytes per block
+    assert validate_cache(two_small_pieces).methods == ("torch",)
+    two_pieces = torch.ones(8, 2, 64, dtype=torch.float16)[:, :, :32]  # 2 pieces of 64 bytes: worth it
+    assert validate_cache(two_pieces).methods == ("kernel",)
     with pytest.raises(ValueError, match="method='kernel' cannot check 1 of the cache's tensors"):
         check_blocks(tiny_pieces, [1], method="kernel")
     mixed = [torch.ones(8, 64, dtype=torch.float16), tiny_pieces]
     assert validate_cache(mixed).methods == ("kernel", "torch")
     expect(check_blocks(mixed, [1, 2]), checked=2)
+
+
+@pytest.mark.parametrize(("cpus", "workers"), [(None, 1), (1, 1), (2, 1), (8, 7)])
+def test_split_checks_leave_one_core_to_the_engine(monkeypatch, cpus, workers):
+    monkeypatch.setattr(threads.os, "cpu_count", lambda: cpus)
+    monkeypatch.setattr(threads, "_pool", None)
+    pool = threads._executor()  # noqa: SLF001 - the pool's size is the promise under test
+    try:
+        assert pool._max_workers == workers  # noqa: SLF001
+    finally:
+        pool.shutdown()
 
 
 def test_without_numba_everything_runs_on_torch(monkeypatch):

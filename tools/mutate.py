@@ -153,6 +153,13 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
      "return outcome in _DROPS or (self._logger is not None and outcome in self._levels)", "'and' -> 'or'"):
         "performance only: a wider answer collects more decisions, and describe() skips, by the same levels, "
         "every one that no log line or span event records",
+    ("kvobs/integrity/kernel_numba.py", "_lane_test", "if xor == 0 and keep == top:",
+     "operand 1 of 'and' removed"):
+        "keep == top only in the sign-ignored rules, and every one of them has xor == 0 (see bits.lane_test)",
+    ("kvobs/integrity/kernel_numba.py", "ready",
+     "sample, segments, rule, test = np.zeros(1, word), np.zeros(1, np.int64), np.ones(4, word), "
+     "np.zeros(5, np.uint64)", "1 -> 2"):
+        "the warm-up call's argument sizes: any valid call resolves the same argument types",
     ("kvobs/block_lock.py", "BlockLock._lock", "try:", "statement removed"):
         "the one-pass fast path: _wait_for_runs takes the same runs one by one (granted, waited for, or raised)",
     ("kvobs/block_lock.py", "BlockLock._lock", "if not ofd.is_contention(exc):", "statement removed"):
