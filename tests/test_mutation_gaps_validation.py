@@ -14,7 +14,7 @@ import torch
 
 import kvobs
 from kvobs.policy import IntegrityPolicy
-from kvobs.validation import resolve_blocks
+from kvobs.validation import resolve_blocks, validate_key
 
 
 @pytest.fixture
@@ -179,3 +179,39 @@ def test_block_ids_end_at_the_last_block():
     assert resolve_blocks("prefetch", [0, 63], capacity=64).distinct == (0, 63)
     with pytest.raises(kvobs.TransferRejected, match="block id 64 is out of range for a cache of 64 blocks"):
         resolve_blocks("prefetch", [64], capacity=64)
+
+
+@pytest.mark.parametrize("n_keys, accepted", [(3, False), (4, True), (5, True), (6, False)])
+def test_storage_keys_pair_with_block_ids_except_the_last_partial_block(obs, n_keys, accepted):
+    keys = [f"k{i}" for i in range(n_keys)]
+    if accepted:
+        with obs.transfer("prefetch", block_ids=[1, 2, 3, 4, 5], keys=keys):
+            pass
+    else:
+        with pytest.raises(kvobs.TransferRejected, match=f"{n_keys} storage keys but 5 block ids"):
+            obs.transfer("prefetch", block_ids=[1, 2, 3, 4, 5], keys=keys)
+
+
+def test_storage_keys_are_not_paired_with_token_slots_or_kv_groups_or_missing_ids(registry):
+    paged = kvobs.KVObserver("paged", registry=registry, integrity=None, capacity=16, page_size=4)
+    with paged.transfer("prefetch", block_ids=[0, 1, 2, 3, 4], keys=["page0", "page1"]):
+        pass  # keys name pages, not the 5 token slots
+    plain = kvobs.KVObserver("plain", registry=registry, integrity=None, capacity=16)
+    with plain.transfer("prefetch", block_ids=[1, 2, 1, 2], group_sizes=[2, 2], keys=["a", "b"]):
+        pass  # one key per block of all KV groups together
+    with plain.transfer("prefetch", keys=["a", "b", "c"]):
+        pass  # no block ids: nothing to pair with
+
+
+def test_a_transfer_key_is_free_again_once_its_transfer_ended(obs):
+    first = obs.begin("prefetch", block_ids=[1], key="req-1")
+    with pytest.raises(kvobs.TransferRejected, match="already open under key 'req-1'"):
+        obs.begin("prefetch", block_ids=[2], key="req-1")
+    first.complete()
+    obs.begin("prefetch", block_ids=[2], key="req-1").complete()
+
+
+def test_a_key_without_a_table_of_open_transfers_is_only_checked_for_hashability():
+    validate_key("forward", ("layer", 3), None)
+    with pytest.raises(kvobs.TransferRejected, match=r"key \['layer', 3\] is not hashable"):
+        validate_key("forward", ["layer", 3], None)
