@@ -185,9 +185,9 @@ def test_kernel_declines_what_it_cannot_read_fast_and_says_so():
 def test_split_checks_leave_one_core_to_the_engine(monkeypatch, cpus, workers):
     monkeypatch.setattr(threads.os, "cpu_count", lambda: cpus)
     monkeypatch.setattr(threads, "_pool", None)
-    pool = threads._executor()  # noqa: SLF001 - the pool's size is the promise under test
+    pool = threads._executor()  # the pool size is the promise under test
     try:
-        assert pool._max_workers == workers  # noqa: SLF001
+        assert pool._max_workers == workers
     finally:
         pool.shutdown()
 

@@ -497,3 +497,25 @@ def test_an_async_write_back_of_corrupt_blocks_is_skipped_and_never_runs():
         assert lock_is_free(cap.observer.lock)
         assert cap.value(sc.TRANSFERS_TOTAL, path="write_back", outcome="rejected") == 1
         assert cap.value(sc.TRANSFERS_TOTAL, path="write_back", outcome="ok") == 1
+
+
+# -- a second interrupt while the failure is recorded: the lock was released before anything else ------------
+
+
+def _interrupted(*args, **kwargs):
+    raise KeyboardInterrupt  # Ctrl-C again, while the failure is being recorded
+
+
+def test_an_interrupt_on_entry_then_another_while_failing_leaves_the_lock_free(checked, monkeypatch):
+    monkeypatch.setattr(active, "enter", _interrupted)  # Ctrl-C right after the lock was taken
+    monkeypatch.setattr(kvobs.transfer.Transfer, "fail", _interrupted)
+    with pytest.raises(KeyboardInterrupt), checked.observer.transfer("prefetch", block_ids=[1]):
+        raise AssertionError("never entered")
+    assert lock_is_free(checked.observer.lock)
+
+
+def test_a_with_block_that_raises_then_an_interrupt_while_failing_leaves_the_lock_free(checked, monkeypatch):
+    with pytest.raises(KeyboardInterrupt), checked.observer.transfer("prefetch", block_ids=[1]):
+        monkeypatch.setattr(kvobs.transfer.Transfer, "fail", _interrupted)
+        raise OSError("the copy failed")
+    assert lock_is_free(checked.observer.lock)

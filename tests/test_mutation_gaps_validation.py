@@ -215,3 +215,17 @@ def test_a_key_without_a_table_of_open_transfers_is_only_checked_for_hashability
     validate_key("forward", ("layer", 3), None)
     with pytest.raises(kvobs.TransferRejected, match=r"key \['layer', 3\] is not hashable"):
         validate_key("forward", ["layer", 3], None)
+
+
+def test_a_batch_of_token_slots_claims_the_union_of_its_pages(registry):
+    paged = kvobs.KVObserver("paged", registry=registry, integrity=None, capacity=16, page_size=4)
+    t = paged.begin("prefetch", requests={"a": [0, 1, 5], "b": [5, 9], "c": []})
+    assert t.blocks.distinct == (0, 1, 2)  # slots 0, 1 -> page 0; 5 -> page 1 (shared); 9 -> page 2
+    assert t.requests == {"a": 2, "b": 2, "c": 0}  # pages per request
+    t.complete()
+
+
+def test_no_token_slots_is_an_empty_transfer_not_an_error(registry):
+    paged = kvobs.KVObserver("paged", registry=registry, integrity=None, capacity=16, page_size=4)
+    with paged.transfer("prefetch", block_ids=[]) as t:
+        assert t.blocks.distinct == ()

@@ -104,6 +104,7 @@ _ONE_RUN_TEST = "if last - first == count - 1 and all(map(operator.lt, blocks, i
 _ONE_RUN = "the one-run fast path: _runs finds the same single run"
 _WITH_ADDED = "return tuple(a for a in active if a.holds()) + (t,) if active else (t,)"
 _EXPLICIT = "a default no caller uses: start() and both guard wrappers pass skippable explicitly"
+_ONE_TOKEN = "the end token is an iterator over one item: taking up to 2 takes the same one"
 _CONSUMED = "the deque only consumes the undo steps and is thrown away; any maxlen runs every step"
 EQUIVALENT: dict[tuple[str, str, str, str], str] = {
     ("kvobs/atomic.py", "one_shot_release",
@@ -138,6 +139,11 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
      "False -> True"): _EXPLICIT,
     ("kvobs/transfer.py", "Transfer.acquire_async",
      "async def acquire_async(self, *, skippable: bool = False) -> None:", "False -> True"): _EXPLICIT,
+    **{("kvobs/transfer.py", f"Transfer.{ending}", "mine.extend(islice(self._ending, 1))", "1 -> 2"): _ONE_TOKEN
+       for ending in ("reject", "_time_out", "complete", "fail", "_end_as")},
+    ("kvobs/validation.py", "resolve_requests", "raise", "statement removed"):
+        "unreachable: ids that pass for each request alone pass as a union too, so a failing union always has "
+        "a request that fails alone and is named",
     ("kvobs/transfer.py", "Transfer._time_out", "if mine:", "condition -> True"):
         "nothing else can end a transfer still waiting for its lock (it is in no open-transfer table yet)",
     ("kvobs/transfer.py", "Transfer.holds", "return self.state in _HOLDING and bool(self._held)", "'and' -> 'or'"):
@@ -157,8 +163,8 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
      "operand 1 of 'and' removed"):
         "keep == top only in the sign-ignored rules, and every one of them has xor == 0 (see bits.lane_test)",
     ("kvobs/integrity/kernel_numba.py", "ready",
-     "sample, segments, rule, test = np.zeros(1, word), np.zeros(1, np.int64), np.ones(4, word), "
-     "np.zeros(5, np.uint64)", "1 -> 2"):
+     ("sample, segments, rule, test = np.zeros(1, word), np.zeros(1, np.int64), np.ones(4, word), "
+      "np.zeros(5, np.uint64)"), "1 -> 2"):
         "the warm-up call's argument sizes: any valid call resolves the same argument types",
     ("kvobs/block_lock.py", "BlockLock._lock", "try:", "statement removed"):
         "the one-pass fast path: _wait_for_runs takes the same runs one by one (granted, waited for, or raised)",
