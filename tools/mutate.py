@@ -149,8 +149,9 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
     ("kvobs/transfer.py", "Transfer.holds", "return self.state in _HOLDING and bool(self._held)", "'and' -> 'or'"):
         "read only to refuse re-entry (claims of nothing are skipped, a NullLock overlaps nothing) and to prune "
         "ended entries; held-state with nothing to release, or the reverse, exists only within an ending",
-    ("kvobs/transfer.py", "Transfer._ended", "if async_wait.waiting:", "statement removed"):
-        "performance only: a coroutine waiting for the lock still retries within its back-off (at most 5 ms)",
+    **{("kvobs/transfer.py", "Transfer._ended", "if async_wait.waiting:", mutation):
+       "performance only: a coroutine waiting for the lock still retries within its back-off (at most 5 ms)"
+       for mutation in ("statement removed", "condition -> False")},
     ("kvobs/guard.py", "Guard._sync_wrapper.guarded", "if t.span is None:", "condition -> False"):
         "the no-span fast path: _call_in_span runs the function the same way without a span",
     ("kvobs/guard.py", "_call_in_span", "if span is None:", "statement removed"):
