@@ -76,7 +76,7 @@ class Guard:
         return None
 
     def _sync_wrapper(self, func: Callable[..., Any], resolvers: dict[str, Resolver]) -> Callable[..., Any]:
-        new = functools.partial(self._new, resolvers) if resolvers else self._new_without_specs
+        new = self._factory(resolvers)
         later = "complete_later" in resolvers
 
         def guarded(*args: Any, **kwargs: Any) -> Any:
@@ -106,7 +106,7 @@ class Guard:
         return guarded
 
     def _async_wrapper(self, func: Callable[..., Any], resolvers: dict[str, Resolver]) -> Callable[..., Any]:
-        new = functools.partial(self._new, resolvers) if resolvers else self._new_without_specs
+        new = self._factory(resolvers)
         later = "complete_later" in resolvers
 
         async def guarded(*args: Any, **kwargs: Any) -> Any:
@@ -122,6 +122,13 @@ class Guard:
                 raise
 
         return guarded
+
+    def _factory(self, resolvers: dict[str, Resolver]) -> Callable[[tuple, dict], Transfer]:
+        """What builds each call's Transfer: the quick one when the guard names nothing to resolve or to read
+        from the result (the transfer claims the whole cache and checks nothing)."""
+        if resolvers or self.result is not None:
+            return functools.partial(self._new, resolvers)
+        return self._new_without_specs
 
     def _new_without_specs(self, args: tuple, kwargs: dict) -> Transfer:
         """A guard that names nothing in the call: the transfer claims the whole cache, nothing to check."""

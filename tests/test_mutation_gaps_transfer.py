@@ -519,3 +519,24 @@ def test_a_with_block_that_raises_then_an_interrupt_while_failing_leaves_the_loc
         monkeypatch.setattr(kvobs.transfer.Transfer, "fail", _interrupted)
         raise OSError("the copy failed")
     assert lock_is_free(checked.observer.lock)
+
+
+# -- a guard whose only spec is `result=`: the blocks that moved are still the ones the result names -----------
+
+
+@pytest.mark.parametrize("form", ["sync", "async"])
+def test_a_guard_naming_only_the_moved_blocks_counts_them(form):
+    with capture(engine="gaps", integrity=None) as cap:
+        if form == "sync":
+            @cap.observer.prefetch(result=lambda loaded: loaded)
+            def load():
+                return [1, 2, 3]
+
+            assert load() == [1, 2, 3]
+        else:
+            @cap.observer.prefetch(result=lambda loaded: loaded)
+            async def load():
+                return [1, 2, 3]
+
+            assert asyncio.run(load()) == [1, 2, 3]
+        assert cap.value(sc.TRANSFER_BLOCKS_TOTAL, path="prefetch") == 3
