@@ -514,6 +514,16 @@ def test_an_interrupt_on_entry_then_another_while_failing_leaves_the_lock_free(c
     assert lock_is_free(checked.observer.lock)
 
 
+def test_an_interrupt_right_after_the_lock_was_taken_is_a_recorded_failure(checked, monkeypatch):
+    monkeypatch.setattr(active, "enter", _interrupted)
+    with pytest.raises(KeyboardInterrupt), checked.observer.transfer("prefetch", block_ids=[1]):
+        raise AssertionError("never entered")
+    assert lock_is_free(checked.observer.lock)
+    assert checked.value(sc.TRANSFERS_TOTAL, path="prefetch", outcome="error") == 1
+    (span,) = checked.spans  # ended, with what ended it
+    assert span.attributes[sc.ATTR_ERROR_TYPE] == "KeyboardInterrupt"
+
+
 def test_a_with_block_that_raises_then_an_interrupt_while_failing_leaves_the_lock_free(checked, monkeypatch):
     with pytest.raises(KeyboardInterrupt), checked.observer.transfer("prefetch", block_ids=[1]):
         monkeypatch.setattr(kvobs.transfer.Transfer, "fail", _interrupted)
