@@ -187,7 +187,9 @@ def _begin_complete_later(obs):
         return "submitted"
 
     assert write([1], key="job-1") == "submitted"
+    assert obs.open_transfer("write_back", "job-1") is not None  # open until the completion arrives
     assert obs.complete("write_back", "job-1", "stored") == "stored"
+    assert obs.open_transfer("write_back", "job-1") is None
 
 
 FORMS = [_decorated_ok, _decorated_raising, _decorated_corrupt, _decorated_timing_out, _decorated_async,
@@ -222,7 +224,8 @@ def test_the_callers_span_is_current_again_when_no_tracer_records(registry):
     obs = kvobs.KVObserver("quiet", registry=registry, enabled=False, integrity=None)
     provider = trace.NoOpTracerProvider()
     with provider.get_tracer("engine").start_as_current_span("engine.step") as outer:
-        _decorated_ok(obs)
+        assert _decorated_ok(obs) is outer  # kvobs made no span: inside, the caller's stays current
+        assert _decorated_async(obs) is outer
         _decorated_raising(obs)
         _with_ok(obs)
         assert trace.get_current_span() is outer

@@ -299,7 +299,7 @@ def test_constructor_rejects_bad_settings():
         (name,) = kwargs
         with pytest.raises(ValueError, match=name):
             StepAlignedSignalBuffer(**kwargs)
-    with pytest.raises(TypeError, match="ttl_steps"):
+    with pytest.raises(TypeError, match="^ttl_steps must be an int"):
         StepAlignedSignalBuffer(ttl_steps=2.5)
     with pytest.raises(TypeError):
         StepAlignedSignalBuffer(on_recovered=print)  # signals are released by end_step() only

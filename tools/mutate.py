@@ -154,6 +154,9 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
        for mutation in ("statement removed", "condition -> False")},
     ("kvobs/guard.py", "Guard._sync_wrapper.guarded", "if t.span is None:", "condition -> False"):
         "the no-span fast path: _call_in_span runs the function the same way without a span",
+    ("kvobs/guard.py", "Guard._sync_wrapper.guarded",
+     "return t.returned(result, later) if later else t.complete(result)", "condition -> True"):
+        "the synchronous fast path: t.returned(result, False) is t.complete(result)",
     ("kvobs/guard.py", "_call_in_span", "if span is None:", "statement removed"):
         "unreachable: its only caller runs the function directly when there is no span",
     ("kvobs/signals/reporting.py", "SignalReporter.describes",
