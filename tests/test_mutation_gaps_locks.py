@@ -279,6 +279,7 @@ def test_the_first_holder_of_a_new_lock_is_unknown_until_it_has_noted_itself(tmp
         conflicts: list[str] = []
         assert not lock.acquire_into(deque(), Claim("waiter"), 0, conflicts.append)
         assert conflicts == ["unknown"]
+        assert lock.held_for() == 0.0  # no start noted yet: not "held since the clock's epoch"
     finally:
         mutex.release()
 

@@ -311,6 +311,18 @@ def test_numpy_and_torch_values_are_read_as_python_ints():
         buf.signal_batch(0, torch.tensor([1.0]), [1])
 
 
+def test_a_batch_layer_is_checked_and_read_as_a_python_int(env):
+    buf, registry, _, _ = env
+    with pytest.raises(ValueError, match="layer must be >= 0"):
+        buf.signal_batch(-1, [1], [3])
+    with pytest.raises(TypeError, match="layer must be an int"):
+        buf.signal_batch("0", [1], [3])
+    assert buf.pending_count == 0
+    buf.register(1, 10)
+    (ready,) = buf.signal_batch(np.int64(0), [1], [3])
+    assert ready == ReadySignal(1, 0, 3, 0.0) and type(ready.layer) is int
+
+
 def test_empty_batch_markers_are_noops_and_a_bad_batch_changes_nothing(env):
     buf, registry, _, _ = env
     assert buf.signal_batch(0, [1, 2], [3, 4], count=-1) == []

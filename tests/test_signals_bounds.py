@@ -154,7 +154,8 @@ def forked_child_exit_code(child, timeout_s: float = 20.0) -> int:
 
 
 def test_a_forked_child_can_use_a_buffer_whose_lock_another_thread_held_at_the_fork():
-    buf = EarlySignalBuffer(logger=RecordingLogger(), max_pending=1, clock=FakeClock())
+    registry, metrics = make_metrics()
+    buf = EarlySignalBuffer(metrics=metrics, logger=RecordingLogger(), max_pending=1, clock=FakeClock())
     held, release = threading.Event(), threading.Event()
 
     def hold_the_locks():
@@ -169,7 +170,8 @@ def test_a_forked_child_can_use_a_buffer_whose_lock_another_thread_held_at_the_f
         def child() -> bool:
             buf.signal(1, 0, 5)
             buf.signal(2, 0, 5)  # an overflow: logged through the rate-limited log
-            return buf.register(2, 5) is not None
+            ready = buf.register(2, 5) is not None
+            return ready and outcome_count(registry, "overflow") == 1  # the scrape flushes the child's counts
         assert forked_child_exit_code(child) == 0
     finally:
         release.set()

@@ -170,6 +170,16 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
      ("sample, segments, rule, test = np.zeros(1, word), np.zeros(1, np.int64), np.ones(4, word), "
       "np.zeros(5, np.uint64)"), "1 -> 2"):
         "the warm-up call's argument sizes: any valid call resolves the same argument types",
+    ("kvobs/signals/immediate.py", "EarlySignalBuffer.finish", "if not (type(slot) is int and slot >= 0):",
+     "'>=' -> '>'"): "the plain-int fast path: as_int(0, 'slot') is 0 as well",
+    ("kvobs/signals/reporting.py", "SignalReporter.__init__",
+     "self._log = None if logger is None else RateLimitedLog(", "condition -> False"):
+        "without a logger describe() finds no log level, so the rate-limited log is never used",
+    ("kvobs/locks.py", "_ExclusiveLock._mutex_locked", "raise NotImplementedError", "statement removed"):
+        "an abstract method: both lock classes override it",
+    ("kvobs/locks.py", "ThreadLock.acquire_into",
+     "if timeout == 0 or not push_if(held, lock.release, lock.acquire, True, _wait_arg(timeout)):",
+     "operand 1 of 'or' removed"): "the no-wait fast path: lock.acquire(True, 0) is the same single try",
     ("kvobs/block_lock.py", "BlockLock._lock", "try:", "statement removed"):
         "the one-pass fast path: _wait_for_runs takes the same runs one by one (granted, waited for, or raised)",
     ("kvobs/block_lock.py", "BlockLock._lock", "if not ofd.is_contention(exc):", "statement removed"):
