@@ -300,6 +300,43 @@ def test_no_writable_cache_directory_compiles_in_memory(tmp_path):
     assert done.stdout.strip() == "(5,)"
 
 
+@pytest.mark.timeout(180)
+def test_the_kernel_never_reads_outside_its_arrays(tmp_path):
+    """The kernel reads the cache in place with bounds checks compiled out; here numba compiles them in
+    (NUMBA_BOUNDSCHECK=1), so any read past an array raises, over every kind of run: single ids, runs at
+    both ends of the cache, odd tails after the last 64-bit word, one value per block."""
+    script = textwrap.dedent(
+        """
+        import random
+        import torch
+        from kvobs.integrity import check_blocks, kernel, validate_cache
+
+        assert kernel.unavailable_reason() is None, kernel.unavailable_reason()
+        rng = random.Random(0)
+        for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.float8_e4m3fn):
+            for shape in ((33, 3), (17, 5, 3), (64, 2, 8, 16), (9, 1)):
+                cache = torch.full(shape, 1.5).to(dtype)
+                validated = validate_cache(cache)
+                assert validated.methods == ("kernel",), (dtype, shape, validated.methods)
+                n, flat = shape[0], cache.view(shape[0], -1)
+                for ids in ([0], [n - 1], list(range(n)), [0, n - 1], sorted(rng.sample(range(n), n // 2)),
+                            list(range(n - 3, n)), [1, 2, 3, 7, 8, n - 2, n - 1]):
+                    assert check_blocks(validated, ids, method="kernel").clean, (dtype, shape, ids)
+                    flat[ids[-1], -1] = float("nan")
+                    found = check_blocks(validated, ids, method="kernel").nan_block_ids
+                    assert found == (ids[-1],), (dtype, shape, ids, found)
+                    flat[ids[-1], -1] = 1.5
+        print("ok")
+        """
+    )
+    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "NUMBA_BOUNDSCHECK": "1",
+           "NUMBA_CACHE_DIR": str(tmp_path / "numba")}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=170, cwd=ROOT,
+                          env=env, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"
+
+
 def test_importing_kvobs_integrity_loads_neither_torch_nor_numba():
     script = "import sys, kvobs.integrity; print(sorted({'torch', 'numba'} & set(sys.modules)))"
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=ROOT,

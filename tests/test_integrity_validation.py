@@ -137,6 +137,13 @@ def test_non_integer_ids(ids):
         check_blocks(kv(), ids)
 
 
+@pytest.mark.parametrize(("ids", "kind"), [(np.array([0.5]), "a float64 array"), (np.array([True]), "a bool array"),
+                                           (torch.tensor([1.0]), "a torch.float32 tensor")])
+def test_a_non_integer_id_array_is_named_as_what_it_is(ids, kind):
+    with pytest.raises(TypeError, match=f"block ids must be integers, got {kind}"):
+        check_blocks(kv(), ids)
+
+
 def test_unknown_method():
     with pytest.raises(ValueError, match="method must be one of auto, kernel, torch, got 'fast'"):
         check_blocks(kv(), [1], method="fast")

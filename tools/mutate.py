@@ -180,6 +180,15 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
     ("kvobs/locks.py", "ThreadLock.acquire_into",
      "if timeout == 0 or not push_if(held, lock.release, lock.acquire, True, _wait_arg(timeout)):",
      "operand 1 of 'or' removed"): "the no-wait fast path: lock.acquire(True, 0) is the same single try",
+    ("kvobs/integrity/kernel_numba.py", "_run_is_bad",
+     "return whole < size and _max_key(words[start + whole : start + size], mask, flip, mask ^ mask) >= bad_min",
+     "'^' -> '|'"):
+        "performance only: a run wrongly suspected goes to _verdicts, which reads it value by value and clears it",
+    ("kvobs/integrity/kernel.py", "KernelPlan.block_bytes",
+     "return self.segments.shape[0] * self.length * self.bits.width", "'*' -> '/'"):
+        "performance only: it sizes the threads' shares of a split check, and every block is still checked once",
+    ("kvobs/integrity/torch_path.py", "_coalesce", "if i != prev + 1:", "'+' -> '-'"):
+        "performance only: ids left uncoalesced are checked as runs of one, with the same verdicts",
     ("kvobs/block_lock.py", "BlockLock._lock", "try:", "statement removed"):
         "the one-pass fast path: _wait_for_runs takes the same runs one by one (granted, waited for, or raised)",
     ("kvobs/block_lock.py", "BlockLock._lock", "if not ofd.is_contention(exc):", "statement removed"):
