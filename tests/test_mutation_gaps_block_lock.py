@@ -5,6 +5,7 @@ Each test here fails on a mutant the other block-lock tests let through; tools/m
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,9 @@ from typing import Any
 import pytest
 
 from kvobs.atomic import release_now
+from kvobs.block_descriptions import DescriptionPool
 from kvobs.block_lock import BlockLock
+from kvobs.errors import LockTimeout
 from kvobs.locks import Claim
 
 
@@ -76,3 +79,37 @@ def test_a_closed_lock_refuses_claims_even_with_descriptions_that_were_idle(tmp_
     lock.close()
     with pytest.raises(ValueError, match="closed"):
         claim(lock, (1,), exclusive=True, holder="prefetch")
+
+
+def test_a_claim_with_a_zero_timeout_on_held_blocks_raises_at_once_saying_zero_seconds(lock: BlockLock) -> None:
+    with lock.claim([3, 4], holder="prefetch"), pytest.raises(LockTimeout) as info, \
+            lock.claim([4], timeout=0, holder="send"):
+        raise AssertionError("never entered")
+    assert info.value.waited_s == 0.0
+    assert "within 0.000 s" in str(info.value)
+
+
+@pytest.mark.parametrize("blocks", [[1, 2.0], [1.0, 2], [-1, 2], [1, 64]])
+def test_a_claim_of_anything_but_ids_in_range_is_refused_by_name(lock: BlockLock, blocks: list[Any]) -> None:
+    with pytest.raises(ValueError, match=r"block ids of .* must be ints from 0 to 63"), lock.claim(blocks):
+        raise AssertionError("never entered")
+    with lock.claim([1, 2]):  # nothing was left claimed
+        pass
+
+
+def test_closing_the_descriptions_twice_closes_nothing_the_second_time(tmp_path: Path) -> None:
+    """A closed descriptor's number is soon another file's: a second close must not touch it."""
+    path = tmp_path / "lock"
+    path.write_bytes(b"\0" * 8)
+    pool = DescriptionPool(os.open(path, os.O_RDWR), "test lock")
+    pool.take(held := deque())
+    release_now(held)
+    pool.close()
+    reused = [os.open(path, os.O_RDONLY) for _ in range(4)]  # takes the numbers just freed
+    try:
+        pool.close()
+        for fd in reused:
+            os.fstat(fd)  # still open
+    finally:
+        for fd in reused:
+            os.close(fd)

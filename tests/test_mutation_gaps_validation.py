@@ -6,6 +6,7 @@ statement removed); tools/mutate.py reruns them.
 
 from __future__ import annotations
 
+import array
 import dataclasses
 
 import numpy as np
@@ -229,3 +230,8 @@ def test_no_token_slots_is_an_empty_transfer_not_an_error(registry):
     paged = kvobs.KVObserver("paged", registry=registry, integrity=None, capacity=16, page_size=4)
     with paged.transfer("prefetch", block_ids=[]) as t:
         assert t.blocks.distinct == ()
+
+
+def test_a_standard_library_array_of_ids_is_a_sequence_not_an_ndarray(obs):
+    with obs.transfer("prefetch", block_ids=array.array("i", [4, 2])) as t:
+        assert t.blocks.ids == [4, 2] and t.blocks.distinct == (2, 4)

@@ -189,6 +189,9 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
         "performance only: it sizes the threads' shares of a split check, and every block is still checked once",
     ("kvobs/integrity/torch_path.py", "_coalesce", "if i != prev + 1:", "'+' -> '-'"):
         "performance only: ids left uncoalesced are checked as runs of one, with the same verdicts",
+    **{(module, "<module>", "if TYPE_CHECKING:", mutation): "imports for type checkers only, never run"
+       for module in ("kvobs/block_claim.py", "kvobs/integrity/check.py")
+       for mutation in ("statement removed", "condition -> False")},
     ("kvobs/block_lock.py", "BlockLock._lock", "try:", "statement removed"):
         "the one-pass fast path: _wait_for_runs takes the same runs one by one (granted, waited for, or raised)",
     ("kvobs/block_lock.py", "BlockLock._lock", "if not ofd.is_contention(exc):", "statement removed"):
