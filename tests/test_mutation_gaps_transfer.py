@@ -561,3 +561,30 @@ def test_a_guard_naming_only_the_moved_blocks_counts_them(form):
 
             assert asyncio.run(load()) == [1, 2, 3]
         assert cap.value(sc.TRANSFER_BLOCKS_TOTAL, path="prefetch") == 3
+
+
+# -- where a transfer is in its lifecycle, as `state` and its repr say --------------------------------------
+
+
+def test_a_transfer_says_where_it_is_in_its_lifecycle(checked):
+    obs = checked.observer
+    t = obs.transfer("prefetch", block_ids=[1], key="job-1")
+    assert t.state == "new"
+    with t:
+        assert t.state == "held"
+        assert repr(t) == "<kvobs.Transfer prefetch held key='job-1' request_id=None>"
+    assert t.state == "done"
+
+    @obs.write_back(block_ids="ids", complete_later="key")
+    def store(ids, key):
+        return "queued"
+
+    store([2], key="job-2")
+    assert obs.open_transfer("write_back", "job-2").state == "submitted"
+    obs.complete("write_back", "job-2")
+    failed = obs.begin("send", block_ids=[3])
+    failed.fail(OSError("link down"))
+    assert failed.state == "failed"
+    abandoned = obs.begin("receive", block_ids=[4])
+    abandoned.abandon()
+    assert abandoned.state == "abandoned"
