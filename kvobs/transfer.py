@@ -348,7 +348,7 @@ class Transfer:
         route = self.route
         if route.policy is None and moved is None and self.moved_from is None:  # nothing to check or count
             self.state, self.outcome = DONE, sc.OUTCOME_OK
-            return result
+            return result  # the general path below would end the same way, only later
         if moved is None and self.moved_from is not None:
             moved = self.moved_from(result)
         if moved is not None:

@@ -50,6 +50,8 @@ def test_a_batch_checks_the_union_of_its_blocks_once_and_names_the_bad_one(cap):
     ([("a", [1])], "non-empty mapping"),
     ({"a": [1, 1]}, "request 'a': block id 1 appears more than once"),
     ({"a": [1], "b": None}, "request 'b': block ids resolved to None"),
+    ({"a": [1, 2], "b": [3, -4]}, "request 'b': block id -4 is negative"),  # a plain list, checked with the union
+    ({"a": [1, 2.5], "b": [3]}, "request 'a': block id 2.5 is a float, not an int"),
 ])
 def test_bad_batches_are_rejected_naming_the_request(cap, requests, message):
     obs = kvobs.KVObserver("batch3", registry=cap.registry, integrity=None)

@@ -363,6 +363,22 @@ def test_sampler_every_nth():
     assert all(always.should_check() for _ in range(100))
 
 
+class _Draws(random.Random):
+    """A random source that returns the given draws in turn."""
+
+    def __init__(self, draws: list[float]) -> None:
+        super().__init__()
+        self._draws = iter(draws)
+
+    def random(self) -> float:
+        return next(self._draws)
+
+
+def test_sampler_fraction_checks_exactly_the_draws_below_it():
+    sampler = IntegrityPolicy(fraction=0.25).sampler(_Draws([0.0, 0.2499, 0.25, 0.9]))
+    assert [sampler.should_check() for _ in range(4)] == [True, True, False, False]
+
+
 def test_sampler_fraction_seeded():
     picks = [IntegrityPolicy(fraction=0.25).sampler(random.Random(7)) for _ in range(2)]
     runs = [[s.should_check() for _ in range(4000)] for s in picks]

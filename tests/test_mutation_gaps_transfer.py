@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 import torch
@@ -588,3 +589,54 @@ def test_a_transfer_says_where_it_is_in_its_lifecycle(checked):
     abandoned = obs.begin("receive", block_ids=[4])
     abandoned.abandon()
     assert abandoned.state == "abandoned"
+
+
+def test_reentry_is_refused_past_an_outer_transfer_that_claims_nothing():
+    with capture(engine="gaps", integrity=None, lock_timeout=5.0) as cap:
+        obs = cap.observer
+        with obs.transfer("send", block_ids=[]), obs.transfer("prefetch", block_ids=[1]), \
+                pytest.raises(kvobs.ReentrantLockError):  # at once, not after the 5 s timeout
+            obs.transfer("write_back", block_ids=[1]).start()
+
+
+def test_a_completion_naming_the_moved_blocks_counts_them_without_an_integrity_policy():
+    with capture(engine="gaps", integrity=None) as cap:
+        cap.observer.begin("prefetch", block_ids=[1, 2, 3]).complete(moved=[2])
+        assert cap.value(sc.TRANSFER_BLOCKS_TOTAL, path="prefetch") == 1
+
+
+def _conflicts(registry) -> float:
+    return sum(s.value for f in registry.collect() for s in f.samples if s.name == sc.LOCK_CONFLICTS_TOTAL)
+
+
+def test_of_two_transfers_that_took_one_key_while_waiting_only_the_first_keeps_it(tmp_path):
+    """Both validated while the key was free, then waited for the lock: the second to get its blocks finds
+    the key taken, lets its blocks go and is rejected."""
+    lock = BlockLock("race", 8, directory=tmp_path)
+    with capture(engine="race", integrity=None, lock=lock, lock_timeout=5.0) as cap:
+        outcomes: list[object] = []
+
+        def begin(block):
+            try:
+                outcomes.append(cap.observer.begin("prefetch", block_ids=[block], key="job-1"))
+            except kvobs.TransferRejected as exc:
+                outcomes.append(exc)
+
+        with lock.claim([]):  # the whole cache: both validate, then wait
+            threads = [threading.Thread(target=begin, args=(block,)) for block in (1, 2)]
+            for thread in threads:
+                thread.start()
+            deadline = time.monotonic() + 10
+            while _conflicts(cap.registry) < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert _conflicts(cap.registry) == 2
+        for thread in threads:
+            thread.join(10)
+        (kept,) = [o for o in outcomes if isinstance(o, kvobs.Transfer)]
+        (refused,) = [o for o in outcomes if isinstance(o, kvobs.TransferRejected)]
+        assert "already open under key 'job-1'" in str(refused)
+        other_block = 3 - kept.blocks.distinct[0]
+        with lock.claim([other_block], timeout=0):  # the refused transfer let its block go
+            pass
+        kept.complete()
+    lock.close()

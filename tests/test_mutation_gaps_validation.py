@@ -235,3 +235,9 @@ def test_no_token_slots_is_an_empty_transfer_not_an_error(registry):
 def test_a_standard_library_array_of_ids_is_a_sequence_not_an_ndarray(obs):
     with obs.transfer("prefetch", block_ids=array.array("i", [4, 2])) as t:
         assert t.blocks.ids == [4, 2] and t.blocks.distinct == (2, 4)
+
+
+@pytest.mark.parametrize("keys", [{"k0", "k1"}, 5, iter(["k0", "k1"])])
+def test_storage_keys_that_are_not_a_sequence_are_refused_by_type(obs, keys):
+    with pytest.raises(kvobs.TransferRejected, match=f"keys must be a sequence of storage keys, got {type(keys).__name__}"):
+        obs.transfer("prefetch", block_ids=[1, 2], keys=keys)

@@ -192,6 +192,13 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
     **{(module, "<module>", "if TYPE_CHECKING:", mutation): "imports for type checkers only, never run"
        for module in ("kvobs/block_claim.py", "kvobs/integrity/check.py")
        for mutation in ("statement removed", "condition -> False")},
+    ("kvobs/transfer.py", "Transfer", "_cache_info: Any = None", "statement removed"):
+        "read only by _check, after it returned for a transfer without a cache; validate() sets it whenever a "
+        "cache comes with a policy, and without a policy _check is never called",
+    **{("kvobs/transfer.py", "Transfer._finish", line, "statement removed"):
+       "the nothing-to-check fast path: the general path ends the same way when nothing moved and no policy"
+       for line in ("if route.policy is None and moved is None and self.moved_from is None:  # nothing to check or count",
+                    "return result  # the general path below would end the same way, only later")},
     ("kvobs/block_lock.py", "BlockLock._lock", "try:", "statement removed"):
         "the one-pass fast path: _wait_for_runs takes the same runs one by one (granted, waited for, or raised)",
     ("kvobs/block_lock.py", "BlockLock._lock", "if not ofd.is_contention(exc):", "statement removed"):
