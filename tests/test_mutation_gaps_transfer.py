@@ -640,3 +640,26 @@ def test_of_two_transfers_that_took_one_key_while_waiting_only_the_first_keeps_i
             pass
         kept.complete()
     lock.close()
+
+
+def test_only_the_blocks_that_moved_are_checked_at_completion(checked):
+    cache = kv_cache()
+    cache[2] = float("nan")  # block 2 was never loaded: its stale contents are not this transfer's doing
+    t = checked.observer.begin("prefetch", block_ids=[1, 2], cache=cache)
+    assert t.complete("loaded 1", moved=[1]) == "loaded 1"
+    assert checked.value(sc.NAN_CHECKS_TOTAL, path="prefetch", result="clean") == 1
+
+
+def test_a_transfer_naming_no_blocks_checks_nothing_even_with_a_cache(checked):
+    cache = kv_cache()
+    cache[0] = float("nan")
+    with checked.observer.transfer("prefetch", cache=cache):  # no block ids: nothing known to have moved
+        pass
+    assert checked.value(sc.TRANSFERS_TOTAL, path="prefetch", outcome="ok") == 1
+    assert checked.value(sc.NAN_CHECKS_TOTAL, path="prefetch", result="nan") == 0
+
+
+@pytest.mark.parametrize("option", ["result", "on_corrupt"])
+def test_a_guard_option_that_is_not_callable_is_refused_when_the_guard_is_made(checked, option):
+    with pytest.raises(TypeError, match=f"{option} must be callable, got 5"):
+        checked.observer.prefetch(block_ids="ids", **{option: 5})

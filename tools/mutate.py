@@ -199,6 +199,8 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
        "the nothing-to-check fast path: the general path ends the same way when nothing moved and no policy"
        for line in ("if route.policy is None and moved is None and self.moved_from is None:  # nothing to check or count",
                     "return result  # the general path below would end the same way, only later")},
+    ("kvobs/guard.py", "Guard.__exit__", "return None", "statement removed"):
+        "never reached (__enter__ refuses), and a function without it returns None too",
     ("kvobs/block_lock.py", "BlockLock._lock", "try:", "statement removed"):
         "the one-pass fast path: _wait_for_runs takes the same runs one by one (granted, waited for, or raised)",
     ("kvobs/block_lock.py", "BlockLock._lock", "if not ofd.is_contention(exc):", "statement removed"):
