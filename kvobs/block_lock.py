@@ -236,7 +236,7 @@ class BlockLock:
                 attempt = functools.partial(self._queue_then_try, setlk, gate, code, attempt)
             if not _poll(attempt, deadline):
                 return False
-            if exclusive:
+            if exclusive:  # through: the turnstile is for the next writer (UNLOCK_ALL would free it at the end)
                 setlk(ofd.pack(fcntl.F_UNLCK, *gate))
         return True
 

@@ -302,6 +302,7 @@ def test_a_reader_waits_behind_a_queued_writer_and_names_it(lock: BlockLock) -> 
                 release_now(passed)
             time.sleep(0.005)
         assert conflicts == ["forward"]
+        assert claim(lock, (8,), exclusive=False, timeout=0.05) is None  # no reader passes the queued writer
         elsewhere = claim(lock, (7,), exclusive=False)  # only the writer's blocks queue
         assert elsewhere is not None
         release_now(elsewhere)
@@ -313,6 +314,12 @@ def test_a_reader_waits_behind_a_queued_writer_and_names_it(lock: BlockLock) -> 
         writer.join(timeout=10)
     assert writer_result and writer_result[0] is not None
     release_now(writer_result[0])
+    # The writer left its turnstile: readers pass at once again, through every pooled description (the
+    # writer's, reused first, and the others, which would see a turnstile left locked on it).
+    first, second = claim(lock, (8,), exclusive=False), claim(lock, (8,), exclusive=False)
+    assert first is not None and second is not None
+    release_now(second)
+    release_now(first)
 
 
 def _wait_until(condition: Any, what: str) -> None:

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from kvobs.atomic import release_now
-from kvobs.block_descriptions import DescriptionPool
-from kvobs.block_lock import BlockLock
+from kvobs.block_descriptions import PROC_FD, DescriptionPool
+from kvobs.block_lock import _MAX_BLOCKS, BlockLock
 from kvobs.errors import LockTimeout
 from kvobs.locks import Claim
 
@@ -113,3 +113,21 @@ def test_closing_the_descriptions_twice_closes_nothing_the_second_time(tmp_path:
     finally:
         for fd in reused:
             os.close(fd)
+
+
+def test_the_largest_lock_is_accepted_and_one_block_more_is_refused(tmp_path: Path) -> None:
+    largest = BlockLock("largest", _MAX_BLOCKS, directory=tmp_path)
+    with largest.claim([0, _MAX_BLOCKS - 1]):
+        pass
+    largest.close()
+    with pytest.raises(ValueError, match=f"num_blocks must be an int from 1 to {_MAX_BLOCKS}"):
+        BlockLock("too-large", _MAX_BLOCKS + 1, directory=tmp_path)
+
+
+def test_a_closed_lock_leaves_no_descriptor_open(tmp_path: Path) -> None:
+    before = set(os.listdir(PROC_FD))
+    lock = BlockLock("fds", 8, directory=tmp_path)
+    with lock.claim([1, 2]), lock.claim([5], exclusive=False):  # two descriptions in the pool
+        pass
+    lock.close()
+    assert set(os.listdir(PROC_FD)) <= before

@@ -242,6 +242,17 @@ def test_overflow_keeps_the_lowest_slots_on_every_rank_and_counts_the_rest():
     assert line == {sc.ATTR_SLOT: 9, sc.ATTR_TOKENS: 90, sc.ATTR_OUTCOME: "overflow", ATTR_WAITED_S: 0.0}
 
 
+def test_a_signal_beyond_a_full_step_record_is_refused_having_never_waited():
+    logger = RecordingLogger()
+    buf = StepAlignedSignalBuffer(logger=logger, max_pending=1, clock=FakeClock())
+    buf.signal(1, 0, 10)
+    buf.signal(2, 0, 20)  # a higher slot than every kept one: refused at once, the record unchanged
+    (line,) = [kw for _, _, kw in logger.records if kw[sc.ATTR_OUTCOME] == "overflow"]
+    assert line == {sc.ATTR_SLOT: 2, sc.ATTR_TOKENS: 20, sc.ATTR_OUTCOME: "overflow", ATTR_WAITED_S: 0.0}
+    buf.end_step()
+    assert buf.pending_count == 1
+
+
 def test_an_evicted_pending_signal_is_logged_with_its_age():
     clock = FakeClock()
     logger = RecordingLogger()

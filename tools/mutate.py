@@ -201,6 +201,16 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
                     "return result  # the general path below would end the same way, only later")},
     ("kvobs/guard.py", "Guard.__exit__", "return None", "statement removed"):
         "never reached (__enter__ refuses), and a function without it returns None too",
+    ("kvobs/block_lock.py", "<module>", "_FIRST_PAUSE_S = 50e-6", "5e-05 -> 0.0"):
+        "performance only: a first pause of 0 turns the back-off into a busy poll with the same results",
+    ("kvobs/block_lock.py", "BlockLock._lock", "raise", "statement removed"): _RETRIED,
+    ("kvobs/block_lock.py", "BlockLock.close", "_LOCKS.discard(self)", "statement removed"):
+        "a closed lock renewed in a forked child has nothing to renew: no descriptions, no claims",
+    **{("kvobs/block_lock.py", "BlockLock._wait_for_runs",
+        "if exclusive:  # through: the turnstile is for the next writer (UNLOCK_ALL would free it at the end)",
+        mutation): "a turnstile kept while its writer holds the run's blocks exclusively stops only readers of "
+                   "those blocks, who wait for the writer anyway; the release unlocks everything on the description"
+       for mutation in ("condition -> False", "statement removed")},
     ("kvobs/block_lock.py", "BlockLock._lock", "try:", "statement removed"):
         "the one-pass fast path: _wait_for_runs takes the same runs one by one (granted, waited for, or raised)",
     ("kvobs/block_lock.py", "BlockLock._lock", "if not ofd.is_contention(exc):", "statement removed"):
