@@ -663,3 +663,27 @@ def test_a_transfer_naming_no_blocks_checks_nothing_even_with_a_cache(checked):
 def test_a_guard_option_that_is_not_callable_is_refused_when_the_guard_is_made(checked, option):
     with pytest.raises(TypeError, match=f"{option} must be callable, got 5"):
         checked.observer.prefetch(block_ids="ids", **{option: 5})
+
+
+@pytest.mark.parametrize("form", ["sync", "async"])
+def test_a_decorated_call_that_raises_then_an_interrupt_while_failing_leaves_the_lock_free(checked, monkeypatch,
+                                                                                          form):
+    obs = checked.observer
+    if form == "sync":
+        @obs.prefetch(block_ids="ids")
+        def load(ids):
+            monkeypatch.setattr(kvobs.transfer.Transfer, "fail", _interrupted)
+            raise OSError("the copy failed")
+
+        call = load
+    else:
+        @obs.prefetch(block_ids="ids")
+        async def load_async(ids):
+            monkeypatch.setattr(kvobs.transfer.Transfer, "fail", _interrupted)
+            raise OSError("the copy failed")
+
+        def call(ids):
+            return asyncio.run(load_async(ids))
+    with pytest.raises(KeyboardInterrupt):
+        call([1])
+    assert lock_is_free(obs.lock)

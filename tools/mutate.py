@@ -211,6 +211,8 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
         mutation): "a turnstile kept while its writer holds the run's blocks exclusively stops only readers of "
                    "those blocks, who wait for the writer anyway; the release unlocks everything on the description"
        for mutation in ("condition -> False", "statement removed")},
+    ("kvobs/guard.py", "Guard._sync_wrapper.guarded", "if result is not None and inspect.isawaitable(result):",
+     "operand 1 of 'and' removed"): "the common-case shortcut: inspect.isawaitable(None) is False too",
     ("kvobs/block_lock.py", "BlockLock._lock", "try:", "statement removed"):
         "the one-pass fast path: _wait_for_runs takes the same runs one by one (granted, waited for, or raised)",
     ("kvobs/block_lock.py", "BlockLock._lock", "if not ofd.is_contention(exc):", "statement removed"):
