@@ -8,8 +8,10 @@ Each test here fails on a mutant that the other tests let through; tools/mutate.
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 import time
+import warnings
 
 import pytest
 import torch
@@ -687,3 +689,23 @@ def test_a_decorated_call_that_raises_then_an_interrupt_while_failing_leaves_the
     with pytest.raises(KeyboardInterrupt):
         call([1])
     assert lock_is_free(obs.lock)
+
+
+def test_a_refused_coroutine_is_closed_so_python_never_warns_it_was_not_awaited(checked):
+    async def copy():
+        return "copied"
+
+    @checked.observer.prefetch(block_ids="ids")
+    def submit(ids):
+        return copy()  # a sync function handing back the copy: kvobs refuses to leave it unguarded
+
+    message = ""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            submit([1])
+        except TypeError as exc:
+            message = str(exc)
+        gc.collect()  # the coroutine, if still open, warns as it is collected
+    assert "returned an awaitable" in message
+    assert [str(w.message) for w in caught if "never awaited" in str(w.message)] == []
