@@ -115,7 +115,13 @@ def test_closing_the_descriptions_twice_closes_nothing_the_second_time(tmp_path:
             os.close(fd)
 
 
-def test_the_largest_lock_is_accepted_and_one_block_more_is_refused(tmp_path: Path) -> None:
+def test_locks_of_one_block_and_of_the_most_blocks_are_accepted_and_nothing_beyond(tmp_path: Path) -> None:
+    single = BlockLock("single", 1, directory=tmp_path)
+    with single.claim([0]):
+        pass
+    single.close()
+    with pytest.raises(ValueError, match=f"num_blocks must be an int from 1 to {_MAX_BLOCKS}, got 0"):
+        BlockLock("empty", 0, directory=tmp_path)
     largest = BlockLock("largest", _MAX_BLOCKS, directory=tmp_path)
     with largest.claim([0, _MAX_BLOCKS - 1]):
         pass
