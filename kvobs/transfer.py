@@ -98,7 +98,7 @@ class Transfer:
         if block_ids is UNSET and requests is UNSET and sync is None and self.keys is None \
                 and self.cache is None and self.key is None and self.nbytes is None:
             self.claim = route.whole_cache
-            return self
+            return self  # nothing given: the checks below would end in the same whole-cache claim
         try:
             validate_sync(self.path, sync, sync_required=route.sync_required, completes_later=completes_later)
             if block_ids is not UNSET and requests is not UNSET:

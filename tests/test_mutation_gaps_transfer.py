@@ -709,3 +709,43 @@ def test_a_refused_coroutine_is_closed_so_python_never_warns_it_was_not_awaited(
         gc.collect()  # the coroutine, if still open, warns as it is collected
     assert "returned an awaitable" in message
     assert [str(w.message) for w in caught if "never awaited" in str(w.message)] == []
+
+
+def test_transfers_on_disjoint_blocks_of_a_block_lock_nest(tmp_path):
+    lock = BlockLock("nest", 8, directory=tmp_path)
+    with capture(engine="nest", integrity=None, lock=lock, lock_timeout=5.0) as cap:
+        obs = cap.observer
+        with obs.transfer("prefetch", block_ids=[1]), obs.transfer("write_back", block_ids=[2]) as inner:
+            assert inner.state == "held"  # other blocks: no wait on itself to refuse
+        with obs.transfer("prefetch", block_ids=[1]), pytest.raises(kvobs.ReentrantLockError):
+            obs.transfer("write_back", block_ids=[1, 2]).start()
+    lock.close()
+
+
+def test_a_lock_timeout_says_how_long_it_waited(checked):
+    obs = checked.observer
+    release, holder = _hold_from_another_thread(obs.lock)
+    try:
+        with capture(engine="short", integrity=None, lock=obs.lock, lock_timeout=0.1) as short, \
+                pytest.raises(kvobs.LockTimeout) as info, short.observer.transfer("prefetch", block_ids=[1]):
+            raise AssertionError("never entered")
+    finally:
+        release.set()
+        holder.join()
+    assert 0.1 <= info.value.waited_s < 5.0
+
+
+def test_async_with_gives_the_transfer_itself(checked):
+    async def main():
+        t = checked.observer.transfer("prefetch", block_ids=[1])
+        async with t as entered:
+            assert entered is t and entered.state == "held"
+
+    asyncio.run(main())
+
+
+def test_an_async_call_kvobs_makes_no_span_for_detaches_nothing(registry, caplog):
+    obs = kvobs.KVObserver("quiet", registry=registry, enabled=False, integrity=None)
+    with caplog.at_level("ERROR", logger="opentelemetry.context"):
+        _decorated_async(obs)
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("opentelemetry")] == []

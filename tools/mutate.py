@@ -213,6 +213,12 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
        for mutation in ("condition -> False", "statement removed")},
     ("kvobs/guard.py", "Guard._sync_wrapper.guarded", "if result is not None and inspect.isawaitable(result):",
      "operand 1 of 'and' removed"): "the common-case shortcut: inspect.isawaitable(None) is False too",
+    ("kvobs/transfer.py", "Transfer.validate",
+     "return self  # nothing given: the checks below would end in the same whole-cache claim", "statement removed"):
+        "the nothing-given fast path: the full checks of no inputs end in the same whole-cache claim",
+    ("kvobs/transfer.py", "Transfer._after_wait", "self._release()", "statement removed"):
+        "every caller of acquire() and acquire_async() releases on any exception it raises (start, __aenter__, "
+        "both guard wrappers); this only releases a moment earlier",
     ("kvobs/block_lock.py", "BlockLock._lock", "try:", "statement removed"):
         "the one-pass fast path: _wait_for_runs takes the same runs one by one (granted, waited for, or raised)",
     ("kvobs/block_lock.py", "BlockLock._lock", "if not ofd.is_contention(exc):", "statement removed"):
