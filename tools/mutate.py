@@ -219,6 +219,8 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
     ("kvobs/transfer.py", "Transfer._after_wait", "self._release()", "statement removed"):
         "every caller of acquire() and acquire_async() releases on any exception it raises (start, __aenter__, "
         "both guard wrappers); this only releases a moment earlier",
+    ("kvobs/block_lock.py", "_undo_newest", "deque(map(_CALL, map(_POPLEFT, repeat(held, count))), 0)", "0 -> 1"):
+        _CONSUMED,
     ("kvobs/block_lock.py", "BlockLock._lock", "try:", "statement removed"):
         "the one-pass fast path: _wait_for_runs takes the same runs one by one (granted, waited for, or raised)",
     ("kvobs/block_lock.py", "BlockLock._lock", "if not ofd.is_contention(exc):", "statement removed"):
