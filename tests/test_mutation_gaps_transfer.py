@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import inspect
+import sys
 import threading
 import time
 import warnings
@@ -749,3 +751,37 @@ def test_an_async_call_kvobs_makes_no_span_for_detaches_nothing(registry, caplog
     with caplog.at_level("ERROR", logger="opentelemetry.context"):
         _decorated_async(obs)
     assert [r.getMessage() for r in caplog.records if r.name.startswith("opentelemetry")] == []
+
+
+def _interrupt_at(func, statement: str):
+    """A trace function that raises KeyboardInterrupt in `func` just before `statement` runs: Ctrl-C landing
+    exactly there, deterministically (an exception raised by a trace function surfaces in the traced frame)."""
+    lines, first = inspect.getsourcelines(func)
+    (target,) = [first + i for i, line in enumerate(lines) if line.strip() == statement]
+
+    def local(frame, event, arg):
+        if event == "line" and frame.f_lineno == target:
+            sys.settrace(None)
+            raise KeyboardInterrupt
+        return local
+
+    return lambda frame, event, arg: local if frame.f_code is func.__code__ else None
+
+
+def test_an_ending_interrupted_before_it_says_how_it_ended_is_recorded_as_a_failure(checked, monkeypatch):
+    t = checked.observer.begin("prefetch", block_ids=[1])
+
+    def check_fails(self, result, moved):
+        raise OSError("the check could not read the cache")
+
+    monkeypatch.setattr(kvobs.transfer.Transfer, "_finish", check_fails)
+    sys.settrace(_interrupt_at(kvobs.transfer.Transfer.complete,
+                               "self.state, self.outcome, self.error = FAILED, sc.OUTCOME_ERROR, exc"))
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            t.complete()
+    finally:
+        sys.settrace(None)
+    assert (t.state, t.outcome) == ("failed", "error")
+    assert checked.value(sc.TRANSFERS_TOTAL, path="prefetch", outcome="error") == 1
+    assert lock_is_free(checked.observer.lock)
