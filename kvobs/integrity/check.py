@@ -47,7 +47,9 @@ def _bad_blocks(validated: ValidatedCache, ids: list[int], method: str) -> tuple
     """(NaN ids, non-finite ids) over all tensors, each read by the method chosen for it."""
     import numpy as np
 
-    from kvobs.integrity import kernel, threads, torch_path
+    import kvobs.integrity.kernel as kernel
+    import kvobs.integrity.threads as threads
+    import kvobs.integrity.torch_path as torch_path
 
     pairs = [(t, plan) for t, plan in zip(validated.tensors, validated.plans) if t.numel()]  # empty: nothing to read
     by_kernel = [plan for _, plan in pairs if plan is not None and method != "torch"]

@@ -131,7 +131,7 @@ def _load() -> Any:
 
 
 def _compile() -> Any:
-    from kvobs.integrity import kernel_numba
+    import kvobs.integrity.kernel_numba as kernel_numba
 
     kernel_numba.ready(np.uint16)  # compiles the kernel once: a failure shows here, not inside a check
     return kernel_numba

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from kvobs.integrity import kernel
+import kvobs.integrity.kernel as kernel
 from kvobs.integrity.bits import NO_NON_FINITE, non_finite_bits
 from kvobs.integrity.ids import normalize_ids
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvobs.errors import CorruptKVError, LockTimeout
-from kvobs.integrations.vllm import children
+import kvobs.integrations.vllm.children as children
 from kvobs.integrations.vllm.observers import observer_for
 from kvobs.integrations.vllm.scheduler import SchedulerSide
 from kvobs.integrations.vllm.transfers import Transfers
