@@ -45,6 +45,23 @@ def lock_is_free(lock) -> bool:
     return False
 
 
+def hold_in_thread(lock, release_after: threading.Event | None = None) -> tuple[threading.Event, threading.Thread]:
+    """Take `lock` in another thread, which lets go when `release_after` (or the returned event) is set; the
+    caller's own thread then waits for it like any other."""
+    holding, release = threading.Event(), release_after or threading.Event()
+
+    def run() -> None:
+        assert lock.acquire(10)
+        holding.set()
+        release.wait(10)
+        lock.release()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    assert holding.wait(10)
+    return release, thread
+
+
 def lock_is_free_from_other_thread(lock) -> bool:
     """The same probe from another thread (a thread-owned lock says nothing to its own holder)."""
     result = []

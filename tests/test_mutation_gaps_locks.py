@@ -17,6 +17,7 @@ from collections import deque
 from pathlib import Path
 
 import pytest
+from support import hold_in_thread
 
 from kvobs import polling
 from kvobs import semconv as sc
@@ -30,22 +31,6 @@ KINDS = ["thread", "process"]
 
 def make_lock(kind: str, tmp_path: Path, **options) -> ThreadLock | ProcessLock:
     return ThreadLock("kv", **options) if kind == "thread" else ProcessLock("kv", directory=tmp_path, **options)
-
-
-def hold_in_thread(lock, release_after: threading.Event | None = None):
-    """Take `lock` in another thread; it lets go when `release_after` is set (returns the event and thread)."""
-    holding, release = threading.Event(), release_after or threading.Event()
-
-    def run():
-        assert lock.acquire(10)
-        holding.set()
-        release.wait(10)
-        lock.release()
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    assert holding.wait(10)
-    return release, thread
 
 
 def run_python(code: str) -> subprocess.CompletedProcess[str]:

@@ -19,7 +19,7 @@ import pytest
 import torch
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
-from support import lock_is_free, lock_is_free_from_other_thread
+from support import hold_in_thread, lock_is_free, lock_is_free_from_other_thread
 
 import kvobs
 from kvobs import active
@@ -247,26 +247,10 @@ def test_a_call_kvobs_makes_no_span_for_runs_under_the_callers_span(registry, fo
 # -- a coroutine cancelled while it waits for the lock ------------------------------------------------------
 
 
-def _hold_from_another_thread(lock):
-    """Hold `lock` from a thread until the returned event is set (so the test's own thread waits for it)."""
-    holding, release = threading.Event(), threading.Event()
-
-    def hold():
-        assert lock.acquire(5)
-        holding.set()
-        release.wait(10)
-        lock.release()
-
-    thread = threading.Thread(target=hold)
-    thread.start()
-    assert holding.wait(5)
-    return release, thread
-
-
 @pytest.mark.parametrize("form", ["decorator", "async with"])
 def test_the_span_of_a_task_cancelled_while_waiting_for_the_lock_is_ended(cap, form):
     obs = cap.observer
-    release, holder = _hold_from_another_thread(obs.lock)
+    release, holder = hold_in_thread(obs.lock)
 
     @obs.send(block_ids="ids")
     async def send(ids):
@@ -315,7 +299,7 @@ class RecordingLock(ThreadLock):
 def test_a_waiting_coroutine_only_ever_tries_the_lock_and_lets_the_loop_run(registry, form):
     lock = RecordingLock()
     obs = kvobs.KVObserver("loop", registry=registry, lock=lock, integrity=None, lock_timeout=5.0)
-    release, holder = _hold_from_another_thread(lock)
+    release, holder = hold_in_thread(lock)
     ticks = []
 
     @obs.write_back(block_ids="ids")
@@ -726,7 +710,7 @@ def test_transfers_on_disjoint_blocks_of_a_block_lock_nest(tmp_path):
 
 def test_a_lock_timeout_says_how_long_it_waited(checked):
     obs = checked.observer
-    release, holder = _hold_from_another_thread(obs.lock)
+    release, holder = hold_in_thread(obs.lock)
     try:
         with capture(engine="short", integrity=None, lock=obs.lock, lock_timeout=0.1) as short, \
                 pytest.raises(kvobs.LockTimeout) as info, short.observer.transfer("prefetch", block_ids=[1]):
