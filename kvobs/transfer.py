@@ -389,11 +389,5 @@ class Transfer:
             return copy.copy(route.policy.skip_result)
         raise CorruptKVError(self.path, result)
 
-    # -- what the recorder reads --------------------------------------------------------------------------
-
-    def moved_blocks(self) -> Blocks | None:
-        """The blocks that moved: what completion said, else all the transfer's blocks."""
-        return self.reported_moved if self.reported_moved is not None else self.blocks
-
     def __repr__(self) -> str:
         return f"<kvobs.Transfer {self.path} {self.state} key={self.key!r} request_id={self.request_id!r}>"

@@ -70,8 +70,6 @@ class Ended(Protocol):
     requests: dict[Any, int] | None  # a batch: request id -> its block count
     request_blocks: Any  # a batch: request id -> its block ids, as given
 
-    def moved_blocks(self) -> Any: ...
-
 
 Hook = Callable[[TransferRecord], None]
 
@@ -305,8 +303,8 @@ class Recorder:
     def _moved(self, t: Ended) -> list[tuple[Any, int, int]]:
         """(request id, blocks, bytes) per request of a batch; the batch's own `nbytes` shared out by blocks.
         When completion named the blocks that moved, each request counts those of its own."""
-        moved = t.moved_blocks()
-        if moved is t.blocks or moved is None:
+        moved = t.reported_moved
+        if moved is None:  # all of the batch's blocks moved
             counts = t.requests.items()
         else:
             kept = set(moved.distinct)
