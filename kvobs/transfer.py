@@ -16,7 +16,6 @@ on the blocks that actually moved.
 
 from __future__ import annotations
 
-import copy
 from collections import deque
 from collections.abc import Callable
 from itertools import islice
@@ -25,16 +24,24 @@ from typing import Any
 
 from kvobs import active, async_wait
 from kvobs import semconv as sc
+from kvobs import transfer_checks as checks
 from kvobs.atomic import one_shot_release
-from kvobs.errors import CorruptKVError, LockTimeout, ReentrantLockError, TransferRejected
+from kvobs.errors import LockTimeout, ReentrantLockError, TransferRejected
 from kvobs.locks import Claim
 from kvobs.route import Route
-from kvobs.validation import Blocks, resolve_blocks, resolve_requests, validate_key, validate_keys
-from kvobs.validation import validate_nbytes, validate_sync
+from kvobs.transfer_checks import UNSET
+from kvobs.validation import (
+    Blocks,
+    resolve_blocks,
+    resolve_requests,
+    validate_key,
+    validate_keys,
+    validate_nbytes,
+    validate_sync,
+)
 
 NEW, WAITING, HELD, SUBMITTED = "new", "waiting", "held", "submitted"
 DONE, FAILED, ABANDONED, REJECTED, TIMED_OUT = "done", "failed", "abandoned", "rejected", "timed_out"
-UNSET: Any = object()
 _HOLDING = (HELD, SUBMITTED)
 _ONE_TOKEN = (True,)
 
@@ -72,7 +79,7 @@ class Transfer:
     _held: Any = ()
     _release: Callable[[], Any] = staticmethod(tuple)  # nothing is held before acquire: a C-level no-op
     reported_moved: Blocks | None = None  # the blocks completion said moved (None: all of them)
-    _cache_info: Any = None
+    cache_info: Any = None  # what validation learned of `cache` (its layout), for the checks
 
     def __init__(self, route: Route, **values: Any) -> None:
         """`values`: keys, cache, nbytes, request_id, key, trace_context, moved_from, on_corrupt (validated by
@@ -113,7 +120,7 @@ class Transfer:
             validate_keys(self.path, self.keys, self.blocks, paired=route.page_size is None and group_sizes is None)
             validate_nbytes(self.path, self.nbytes)
             if self.cache is not None and route.policy is not None:
-                self._cache_info = route.caches.inspect(self.path, self.cache, self.blocks)
+                self.cache_info = route.caches.inspect(self.path, self.cache, self.blocks)
             if self.key is not None:
                 validate_key(self.path, self.key, route.open.find if route.open is not None else None)
         except TransferRejected as exc:
@@ -195,7 +202,7 @@ class Transfer:
                 raise exc
             self.due = now + route.deadline_s
         if route.reads_blocks and route.policy is not None:
-            self.skipped_result = self._check(self.blocks, can_replace=skippable)
+            self.skipped_result = checks.replacement(self, self.blocks, can_replace=skippable)
 
     def _time_out(self) -> None:
         route = self.route
@@ -355,7 +362,7 @@ class Transfer:
             self.reported_moved = resolve_blocks(self.path, moved, capacity=route.capacity, page_size=route.page_size)
         self.state, self.outcome = DONE, sc.OUTCOME_OK
         if not route.reads_blocks and route.policy is not None:
-            replacement = self._check(self.reported_moved or self.blocks, can_replace=True)
+            replacement = checks.replacement(self, self.reported_moved or self.blocks, can_replace=True)
             if replacement is not UNSET:
                 self.outcome = sc.OUTCOME_REJECTED
                 return replacement
@@ -368,26 +375,6 @@ class Transfer:
         if async_wait.waiting:
             async_wait.wake_waiters(self.route.lock)
         self.route.recorder.ended(self)
-
-    # -- integrity ----------------------------------------------------------------------------------------
-
-    def _check(self, blocks: Blocks | None, *, can_replace: bool) -> Any:
-        """NaN/Inf check of `blocks` under the lock. Returns the result that replaces a corrupt transfer's
-        (`on_corrupt`'s, or `skip`'s), or UNSET when clean; raises CorruptKVError for `raise`, and for
-        anything else when the caller's code cannot be replaced (a with-block, `obs.begin`)."""
-        route = self.route
-        if self.cache is None or blocks is None or not blocks.distinct or not route.sampler.should_check():
-            return UNSET
-        result = route.caches.check(self._cache_info, blocks.distinct)
-        route.recorder.checked(self, result, route.policy.mode)
-        if result.clean or route.policy.mode == "count":
-            return UNSET
-        self.bad_block_ids = result.bad_block_ids
-        if can_replace and self.on_corrupt is not None:
-            return self.on_corrupt(self, self.bad_block_ids)
-        if can_replace and route.policy.mode == "skip":
-            return copy.copy(route.policy.skip_result)
-        raise CorruptKVError(self.path, result)
 
     def __repr__(self) -> str:
         return f"<kvobs.Transfer {self.path} {self.state} key={self.key!r} request_id={self.request_id!r}>"

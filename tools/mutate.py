@@ -72,7 +72,7 @@ MODULE_TESTS: dict[str, list[str]] = {
         "tests/test_mutation_gaps_locks.py", "tests/test_locks.py", "tests/test_block_lock.py",
         "tests/test_block_lock_processes.py", "tests/test_signals.py",
     ],
-    "kvobs/transfer.py": [
+    "kvobs/transfer.py,kvobs/transfer_checks.py": [
         "tests/test_mutation_gaps_transfer.py", "tests/test_mutation_gaps_validation.py", "tests/test_guard.py", "tests/test_async.py",
         "tests/test_lifecycle_defects.py", "tests/test_batches.py", "tests/test_faults.py",
         "tests/test_integrity_wiring.py", "tests/test_validation.py", "tests/test_trace_propagation.py",
