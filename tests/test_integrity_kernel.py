@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing
+import queue
 import subprocess
 import sys
 import textwrap
@@ -96,49 +97,62 @@ def test_bit_rules_are_shared_and_cannot_be_changed_by_a_caller():
     assert non_finite_bits(torch.bfloat16).nan_min == 0x7F81
 
 
-def test_pieces_chunks_and_pairs_have_no_blind_spot():
-    """Findings at every edge of what the kernel walks: the first and last value of each chunk of 64-bit
-    words, the values after the last whole word, the first and second piece of an interleaved pair, an odd
-    last piece, and every piece of a block split into several."""
-    from kvobs.integrity.kernel_numba import CHUNK
-
-    step = CHUNK * 4  # bf16 values per chunk of 64-bit words
-    length = 2 * step + 7  # 3 values past the last whole word
-    offsets = [0, 1, step - 1, step, 2 * step - 1, 2 * step, length - 4, length - 3, length - 1]
-    for num_ids in (1, 2, 3, 4):  # an odd count leaves a piece paired with itself
-        for position in range(num_ids):
-            for offset in offsets:
-                cache = torch.ones(8, length, dtype=torch.bfloat16)
-                ids = [1, 3, 4, 6][:num_ids]
-                cache[ids[position], offset] = float("nan")
-                expect(check_blocks(cache, ids, method="kernel"), nan={ids[position]})
-    split = torch.ones(3, 8, step + 1, dtype=torch.float16)  # [segments, blocks, values]: 3 pieces per block
+def test_pieces_chunks_and_runs_have_no_blind_spot(monkeypatch):
+    """Findings at every edge of what the kernel walks: the first and last value of a piece, the values after
+    the last whole 64-bit word, the first and last id of a chunk (chunks of 2 blocks here, so runs of
+    adjacent ids are cut by chunks and the next chunk's first block is prefetched), single ids and long runs,
+    and every piece of a block split into several."""
+    length = 2 * 4096 + 7  # 3 values past the last whole word
+    monkeypatch.setattr(kernel, "CHUNK_BYTES", 2 * length * 2)
+    offsets = [0, 1, 4095, 4096, length - 4, length - 3, length - 1]
+    ids = [1, 3, 4, 5, 6, 9]  # chunks [1, 3] [4, 5] [6, 9]: runs [1] [3] [4, 5] [6] [9]
+    for position in range(len(ids)):
+        for offset in offsets:
+            cache = torch.ones(10, length, dtype=torch.bfloat16)
+            cache[ids[position], offset] = float("nan")
+            expect(check_blocks(cache, ids, method="kernel"), nan={ids[position]})
+    split = torch.ones(3, 8, 4097, dtype=torch.float16)  # [segments, blocks, values]: 3 pieces per block
     assert validate_cache(split, block_dim=1).plans[0].segments.shape[0] == 3
     for segment in range(3):
-        for offset in (0, step - 1, step):
+        for offset in (0, 4095, 4096):
             cache = split.clone()
             cache[segment, 5, offset] = -float("inf")
-            expect(check_blocks(cache, [2, 5, 7], block_dim=1, method="kernel"), inf={5})
+            expect(check_blocks(cache, [2, 5, 6, 7], block_dim=1, method="kernel"), inf={5})
 
 
 def test_threads_split_large_checks_and_miss_nothing(monkeypatch):
+    """Three threads take chunks of one id from the same counters: every finding of both tensors (two
+    widths, two block sizes) is found wherever it is, whichever thread read its block."""
     monkeypatch.setattr(threads, "MIN_BYTES_PER_THREAD", 1)
+    monkeypatch.setattr(kernel, "CHUNK_BYTES", 1)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
-    calls = []
-    real = threads._mark_group
-    monkeypatch.setattr(threads, "_mark_group", lambda group, ids: calls.append(group) or real(group, ids))
+    shares = []
+    real = threads._mark_share
+    monkeypatch.setattr(threads, "_mark_share", lambda *args: shares.append(args) or real(*args))
     keys = torch.ones(10, 4, 64, dtype=torch.bfloat16)
     values = torch.ones(10, 4, 64, dtype=torch.float32)  # other width, other block size
     ids = [0, 1, 2, 4, 5, 7, 9]
     for position in range(len(ids)):
         for tensor in (keys, values):
+            shares.clear()
             tensor[ids[position], 3, 63] = float("inf")
             expect(check_blocks([keys, values], ids, method="kernel"), inf={ids[position]})
             tensor[ids[position], 3, 63] = 1
-    groups = calls[-3:]
-    assert len(groups) == 3 and all(groups)
-    covered = sorted((id(plan), i) for group in groups for plan, lo, hi in group for i in range(lo, hi))
-    assert len(covered) == 2 * len(ids) and len(set(covered)) == len(covered)  # every (tensor, id) once
+            assert shares and all(counters is shares[0][2] for _, _, counters in shares)  # one set of counters
+            assert all(claimed > len(ids) for claimed in shares[0][2])  # every chunk of both tensors was claimed
+
+
+def test_a_share_no_pool_thread_began_is_taken_back(monkeypatch):
+    """A check whose caller read every chunk before a pool thread started does not wait for that thread."""
+    monkeypatch.setattr(threads, "MIN_BYTES_PER_THREAD", 1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(threads, "_start_workers", lambda wanted: None)  # no thread will ever take the share
+    monkeypatch.setattr(threads, "_jobs", queue.SimpleQueue())
+    cache = torch.ones(8, 64, dtype=torch.bfloat16)
+    cache[6, 3] = float("nan")
+    expect(check_blocks(cache, range(8), method="kernel"), nan={6})
+    claim = threads._jobs.get_nowait()[0]
+    assert claim.locked()  # taken back: a pool thread getting it now skips it
 
 
 def test_fast_path_is_taken_where_it_applies(monkeypatch):
@@ -188,12 +202,7 @@ def test_kernel_declines_what_it_cannot_read_fast_and_says_so():
 @pytest.mark.parametrize(("cpus", "workers"), [(None, 1), (1, 1), (2, 1), (8, 7)])
 def test_split_checks_leave_one_core_to_the_engine(monkeypatch, cpus, workers):
     monkeypatch.setattr(threads.os, "cpu_count", lambda: cpus)
-    monkeypatch.setattr(threads, "_pool", None)
-    pool = threads._executor()  # the pool size is the promise under test
-    try:
-        assert pool._max_workers == workers
-    finally:
-        pool.shutdown()
+    assert threads.pool_size() == workers
 
 
 def test_without_numba_everything_runs_on_torch(monkeypatch):
@@ -258,7 +267,7 @@ def test_split_checks_work_in_a_forked_child(monkeypatch):
     monkeypatch.setattr(threads, "MIN_BYTES_PER_THREAD", 1 << 16)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     cache = torch.ones(64, 16, 2, 64, dtype=torch.bfloat16)
-    assert check_blocks(cache, range(64)).clean and threads._pool is not None  # the parent used the pool
+    assert check_blocks(cache, range(64)).clean and threads._started  # the parent used the pool
     cache[33, 0, 0, 0] = float("nan")  # made here: the child runs no torch op (OpenMP is not fork-safe)
     context = multiprocessing.get_context("fork")
     queue = context.Queue()

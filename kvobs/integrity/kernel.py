@@ -30,6 +30,9 @@ _log = logging.getLogger(__name__)
 # than on reading; more pieces per block than MAX_PIECES_PER_BLOCK would make the piece list itself large.
 MIN_PIECE_BYTES = 64
 MAX_PIECES_PER_BLOCK = 4096
+# Threads sharing a check take its blocks this many bytes at a time: small enough that a thread slowed by
+# a busy core leaves little for the others to wait on, large enough that claiming costs nothing.
+CHUNK_BYTES = 512 << 10
 
 _WORDS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _TORCH_WORDS = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
@@ -57,13 +60,16 @@ class KernelPlan:
         """Bytes read per checked block."""
         return self.segments.shape[0] * self.length * self.bits.width
 
-    def mark(self, ids: np.ndarray, flags: np.ndarray) -> None:
-        """Raise flags[j] to 2 where block ids[j] holds a NaN, else to 1 where it holds an Inf.
+    def mark(self, ids: np.ndarray, flags: np.ndarray, counter: np.ndarray) -> None:
+        """Raise flags[j] to 2 where block ids[j] holds a NaN, else to 1 where it holds an Inf, for the chunks
+        of ids this call claims from `counter`.
 
-        ids: int64, distinct, in range; flags: uint8, one per id, shared by all the tensors of a cache.
+        ids: int64, distinct, in range; flags: uint8, one per id, shared by all the tensors of a cache;
+        counter: one int64, 0 at first, shared by every thread that checks these ids of this tensor.
         """
+        chunk = max(1, CHUNK_BYTES // self.block_bytes)
         layout = (self.block_stride, self.segments, self.length)
-        _compiled.block_flags(self.words, ids, *layout, self.rule, self.test, flags)
+        _compiled.block_flags(self.words, ids, *layout, self.rule, self.test, flags, chunk, counter)
 
 
 def unavailable_reason() -> str | None:

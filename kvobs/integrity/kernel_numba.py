@@ -8,8 +8,15 @@ from typing import Any
 
 import numba
 import numpy as np
+from llvmlite import ir
+from numba.extending import intrinsic
 
-CHUNK = 2048  # 64-bit words per step of the two interleaved streams
+# Before a run is read, one prefetch per page of the next run (its first AHEAD_BYTES): the address
+# translations and first lines of a scattered block are then on their way while the current one is read,
+# instead of each page of it stalling the stream in turn. Past AHEAD_BYTES a run is one stream the
+# hardware prefetcher follows.
+PAGE_BYTES = 4096
+AHEAD_BYTES = 128 << 10
 
 _OPTIONS = {"nogil": True, "boundscheck": False, "error_model": "numpy"}
 
@@ -20,6 +27,33 @@ def _jit(fn: Callable[..., Any]) -> Any:
         return numba.njit(cache=True, **_OPTIONS)(fn)
     except RuntimeError:
         return numba.njit(cache=False, **_OPTIONS)(fn)
+
+
+@intrinsic
+def _prefetch(typingctx: Any, array: Any, index: Any) -> Any:
+    """Hint that array[index] will be read soon (LLVM's prefetch: never faults, a no-op where unsupported)."""
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        byte = ir.IntType(8).as_pointer()
+        hint = ir.FunctionType(ir.VoidType(), [byte, ir.IntType(32), ir.IntType(32), ir.IntType(32)])
+        fn = builder.module.declare_intrinsic("llvm.prefetch", fnty=hint)
+        read, keep, data_cache = (ir.Constant(ir.IntType(32), v) for v in (0, 3, 1))
+        builder.call(fn, [builder.bitcast(builder.gep(data, [args[1]]), byte), read, keep, data_cache])
+        return context.get_dummy_value()
+
+    return numba.types.void(array, index), codegen
+
+
+@intrinsic
+def _claim(typingctx: Any, counter: Any) -> Any:
+    """counter[0] += 1, atomically, returning the value before: threads sharing a check take chunks in turn."""
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        return builder.atomic_rmw("add", data, ir.Constant(ir.IntType(64), 1), "monotonic")
+
+    return numba.types.int64(counter), codegen
 
 
 @_jit
@@ -91,40 +125,57 @@ def _runs(ids, block_stride, segments, length):  # type: ignore[no-untyped-def]
 
 
 @_jit
-def block_flags(words, ids, block_stride, segments, length, rule, test, flags):  # type: ignore[no-untyped-def]
+def _prefetch_run(words, start, size):  # type: ignore[no-untyped-def]
+    """One prefetch per page of the first AHEAD_BYTES of words[start : start + size]."""
+    step = PAGE_BYTES // words.itemsize
+    for offset in range(0, min(size, AHEAD_BYTES // words.itemsize), step):
+        _prefetch(words, start + offset)
+
+
+@_jit
+def _check_chunk(words, ids, block_stride, segments, length, rule, test, flags, after):  # type: ignore[no-untyped-def]
+    """block_flags over one chunk of ids; `after` is where the next chunk starts (-1: none), prefetched
+    while the chunk's last run is read."""
+    per_word = 8 // words.itemsize
+    top = test[4]
+    n = ids.shape[0]
+    firsts, counts = _runs(ids, block_stride, segments, length)
+    runs = firsts.shape[0]
+    for r in range(runs):
+        if r + 1 < runs:
+            _prefetch_run(words, segments[firsts[r + 1] // n] + ids[firsts[r + 1] % n] * block_stride,
+                          counts[r + 1] * length)
+        elif after >= 0:
+            _prefetch_run(words, after, length)
+        start, size = segments[firsts[r] // n] + ids[firsts[r] % n] * block_stride, counts[r] * length
+        wide = words[start : start + size // per_word * per_word].view(np.uint64)
+        if _run_is_bad(words, start, size, rule, top, _lane_test(wide, test, top ^ top)):
+            _verdicts(words, ids, block_stride, segments, length, firsts[r], counts[r], rule, flags)
+
+
+@_jit
+def block_flags(words, ids, block_stride, segments, length, rule, test, flags, chunk, counter):  # type: ignore[no-untyped-def]
     """flags[j] = max(itself, 2 if block ids[j] holds a NaN, else 1 if it holds an Inf).
 
     rule: (mask, flip, bad_min, nan_min) of the format, as words; test: its lane test (`bits.lane_test`).
 
     Segment s of block b is words[b * block_stride + segments[s] :][:length]. Pieces that touch in memory
     form a run, read as one stream. A lane test over 64-bit words finds whether a run holds anything
-    non-finite; only the pieces of such a run are read again, value by value, for the exact verdict. Runs go
-    two at a time, interleaved chunk by chunk: two memory streams in flight hide the cost of starting a new
-    stream at every scattered block.
+    non-finite; only the pieces of such a run are read again, value by value, for the exact verdict.
+
+    The ids are taken `chunk` at a time from the shared `counter` (counter[0], claimed atomically), so
+    that threads calling this with the same counter share the work however fast each of them runs: a
+    thread that gets no core only leaves more chunks to the others. Each chunk is claimed one ahead, so
+    the next chunk's first block is prefetched like any next run.
     """
-    per_word = 8 // words.itemsize
-    top = test[4]
     n = ids.shape[0]
-    firsts, counts = _runs(ids, block_stride, segments, length)
-    runs = firsts.shape[0]
-    for r in range(0, runs, 2):
-        s = min(r + 1, runs - 1)  # an odd last run is paired with itself and read once
-        start_r = segments[firsts[r] // n] + ids[firsts[r] % n] * block_stride
-        start_s = segments[firsts[s] // n] + ids[firsts[s] % n] * block_stride
-        size_r, size_s = counts[r] * length, counts[s] * length
-        wide_r = words[start_r : start_r + size_r // per_word * per_word].view(np.uint64)
-        wide_s = words[start_s : start_s + size_s // per_word * per_word].view(np.uint64)
-        if s == r:
-            wide_s = wide_s[:0]
-        acc_r = top ^ top
-        acc_s = acc_r
-        for begin in range(0, max(wide_r.shape[0], wide_s.shape[0]), CHUNK):
-            acc_r = _lane_test(wide_r[begin : begin + CHUNK], test, acc_r)
-            acc_s = _lane_test(wide_s[begin : begin + CHUNK], test, acc_s)
-        if _run_is_bad(words, start_r, size_r, rule, top, acc_r):
-            _verdicts(words, ids, block_stride, segments, length, firsts[r], counts[r], rule, flags)
-        if s != r and _run_is_bad(words, start_s, size_s, rule, top, acc_s):
-            _verdicts(words, ids, block_stride, segments, length, firsts[s], counts[s], rule, flags)
+    lo = _claim(counter) * chunk
+    while lo < n:
+        hi = min(n, lo + chunk)
+        after = _claim(counter) * chunk
+        start = segments[0] + ids[after] * block_stride if after < n else -1
+        _check_chunk(words, ids[lo:hi], block_stride, segments, length, rule, test, flags[lo:hi], start)
+        lo = after
 
 
 def ready(word: type) -> None:
@@ -137,12 +188,15 @@ def ready(word: type) -> None:
 
     count = numba.types.int64
     ids, flags = array(np.int64, readonly=False), array(np.uint8, readonly=False)
-    block_flags.compile((array(word), ids, count, array(np.int64), count, array(word), array(np.uint64), flags))
+    block_flags.compile(
+        (array(word), ids, count, array(np.int64), count, array(word), array(np.uint64), flags, count, ids)
+    )
     # The first call also resolves the argument types: keep that out of the first check too.
     sample, segments, rule, test = np.zeros(1, word), np.zeros(1, np.int64), np.ones(4, word), np.zeros(5, np.uint64)
     for readonly in (sample, segments, rule, test):
         readonly.flags.writeable = False
-    block_flags(sample, np.zeros(1, np.int64), 1, segments, 1, rule, test, np.zeros(1, np.uint8))
+    ids_, flags_, counter = np.zeros(1, np.int64), np.zeros(1, np.uint8), np.zeros(1, np.int64)
+    block_flags(sample, ids_, 1, segments, 1, rule, test, flags_, 1, counter)
     _ready.add(word)
 
 
