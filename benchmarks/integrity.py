@@ -5,6 +5,10 @@ Usage: python benchmarks/integrity.py [--device cpu|cuda] [--repeats 9] [--threa
 GB/s = bytes of the checked blocks / median wall time (warm-up first). Every timed call starts cold: a
 256 MiB scratch buffer is read first (untimed), so no contender finds its bytes in the CPU caches left by
 the previous round (the hosts of this machine class can have L3 caches larger than the 32 MiB selections).
+On CPU that read is NumPy's (one thread, no OpenMP), followed by a pause longer than OpenMP's spin-wait:
+a torch read would leave torch's OpenMP threads spinning for about 10 ms, pre-woken for t.sum() and
+holding a core that kvobs's own second thread needs. Every contender starts with its helper threads
+parked, as after a transfer that waited on a device or the network.
 Contenders that read in place are interleaved round by round, so that noise from other processes hits them
 alike; the ones that allocate a copy per call (the naive check, gathers) run apart, in fewer rounds, so
 that their page faults do not land on the others.
@@ -34,6 +38,7 @@ BLOCK_SHAPE = (64, 8, 128)  # tokens per block, kv heads, head dim
 NUM_BLOCKS = 4096
 RANDOM_BLOCKS = 256
 SCRATCH_BYTES = 256 * MiB
+OPENMP_SPIN_S = 0.02  # longer than libgomp's spin-wait after a parallel region (about 10 ms measured)
 
 
 def measure(fns: dict[str, Callable[[], object]], nbytes: int, device: str, repeats: int) -> dict[str, float]:
@@ -41,7 +46,7 @@ def measure(fns: dict[str, Callable[[], object]], nbytes: int, device: str, repe
     scratch = _scratch(device)
 
     def once(fn: Callable[[], object]) -> float:
-        scratch.max().item()  # untimed: evicts the caches
+        scratch()  # untimed: evicts the caches, then lets every thread pool park
         start = time.perf_counter()
         fn()
         if device == "cuda":
@@ -58,8 +63,13 @@ def measure(fns: dict[str, Callable[[], object]], nbytes: int, device: str, repe
 
 
 @functools.cache
-def _scratch(device: str) -> torch.Tensor:
-    return torch.ones(SCRATCH_BYTES, dtype=torch.uint8, device=device)
+def _scratch(device: str) -> Callable[[], object]:
+    """A call that reads SCRATCH_BYTES (see the module docstring for why NumPy and a pause on CPU)."""
+    buffer = torch.ones(SCRATCH_BYTES, dtype=torch.uint8, device=device)
+    if device != "cpu":
+        return lambda: buffer.max().item()
+    array = buffer.numpy()
+    return lambda: (array.max(), time.sleep(OPENMP_SPIN_S))
 
 
 def row(case: str, nbytes: int, kvobs: float, torch_path: float | None, isfinite: float, total: float) -> str:
