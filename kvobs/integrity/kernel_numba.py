@@ -187,16 +187,16 @@ def ready(word: type) -> None:
         return numba.types.Array(numba.from_dtype(np.dtype(dtype)), 1, "C", readonly=readonly)
 
     count = numba.types.int64
-    ids, flags = array(np.int64, readonly=False), array(np.uint8, readonly=False)
+    ints, flags = array(np.int64, readonly=False), array(np.uint8, readonly=False)  # ints: ids and counter
     block_flags.compile(
-        (array(word), ids, count, array(np.int64), count, array(word), array(np.uint64), flags, count, ids)
+        (array(word), ints, count, array(np.int64), count, array(word), array(np.uint64), flags, count, ints)
     )
     # The first call also resolves the argument types: keep that out of the first check too.
     sample, segments, rule, test = np.zeros(1, word), np.zeros(1, np.int64), np.ones(4, word), np.zeros(5, np.uint64)
     for readonly in (sample, segments, rule, test):
         readonly.flags.writeable = False
-    ids_, flags_, counter = np.zeros(1, np.int64), np.zeros(1, np.uint8), np.zeros(1, np.int64)
-    block_flags(sample, ids_, 1, segments, 1, rule, test, flags_, 1, counter)
+    one_id, one_flag, counter = np.zeros(1, np.int64), np.zeros(1, np.uint8), np.zeros(1, np.int64)
+    block_flags(sample, one_id, 1, segments, 1, rule, test, one_flag, 1, counter)
     _ready.add(word)
 
 
