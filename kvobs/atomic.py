@@ -29,7 +29,7 @@ from typing import Any
 
 Held = deque  # of zero-argument undo callables, newest first
 
-_CALL = operator.methodcaller("__call__")
+CALL = getattr(operator, "call", operator.methodcaller("__call__"))  # operator.call: Python 3.11+, faster
 _SECOND = operator.itemgetter(1)
 
 
@@ -54,10 +54,10 @@ def one_shot_release(held: Held) -> Callable[[], Any]:
 
     Build it before acquiring: the iterators read `held` lazily, when the callable first runs.
     """
-    return functools.partial(deque, map(_CALL, chain(held, (held.clear,))), 0)
+    return functools.partial(deque, map(CALL, chain(held, (held.clear,))), 0)
 
 
 def release_now(held: Held) -> None:
     """Undo everything in `held` at once. If interrupted before it starts, `held` is intact for a retry."""
-    deque(map(_CALL, chain(held, (held.clear,))), 0)
+    deque(map(CALL, chain(held, (held.clear,))), 0)
 

@@ -13,18 +13,16 @@ in one C call too, so however an asynchronous exception interrupts either, nothi
 from __future__ import annotations
 
 import functools
-import operator
 import os
 from collections import deque
 from itertools import tee
 
-from kvobs.atomic import Held
+from kvobs.atomic import CALL, Held
 
 __all__ = ["PROC_FD", "DescriptionPool"]
 
 PROC_FD = "/proc/self/fd"
 _REOPEN_FLAGS = os.O_RDWR | os.O_CLOEXEC
-_CALL = operator.methodcaller("__call__")
 
 
 class DescriptionPool:
@@ -49,7 +47,7 @@ class DescriptionPool:
         """Pop an idle description and push its return to the pool, in one C call; open one if none is idle."""
         while True:
             try:
-                held.extendleft(map(self._returner, map(_CALL, self._pop)))
+                held.extendleft(map(self._returner, map(CALL, self._pop)))
             except IndexError:
                 self.grow()
                 continue

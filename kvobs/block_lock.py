@@ -32,7 +32,6 @@ from __future__ import annotations
 import errno
 import fcntl
 import functools
-import operator
 import os
 import time
 import weakref
@@ -42,7 +41,7 @@ from itertools import repeat
 from typing import Any, NamedTuple
 
 from kvobs import ofd
-from kvobs.atomic import Held, push_unless_raises
+from kvobs.atomic import CALL, Held, push_unless_raises
 from kvobs.block_claim import BlockClaim
 from kvobs.block_descriptions import PROC_FD, DescriptionPool
 from kvobs.block_holders import HolderTable
@@ -60,7 +59,7 @@ _MAX_PAUSE_S = 1e-3
 _MAX_BLOCKS = 1 << 40  # data and turnstile bytes stay far below the init byte (1 << 62)
 _SUFFIX = ".blocks"
 
-_CALL = operator.methodcaller("__call__")
+
 _POPLEFT = deque.popleft
 
 
@@ -295,7 +294,7 @@ def _poll(attempt: functools.partial[bool], deadline: float | None) -> bool:
 
 def _undo_newest(held: Held, count: int) -> None:
     """Run and drop the `count` newest undo steps, in one C call: the rest of `held` is left as it was."""
-    deque(map(_CALL, map(_POPLEFT, repeat(held, count))), 0)
+    deque(map(CALL, map(_POPLEFT, repeat(held, count))), 0)
 
 
 def _close_all(descriptions: DescriptionPool, holders: HolderTable) -> None:

@@ -5,7 +5,8 @@ Its specs name where the call's keys, block ids, cache, key, ... are found (see 
 once per decorated function. A call validates, takes the lock, checks the sources of a reading transfer,
 runs the function with the transfer's span current, then either completes the transfer (checking the
 destinations of a writing transfer) or, with `complete_later=`, leaves it open under its key until
-`obs.complete(path, key, ...)` ends it from wherever the engine learns the copy is done.
+`obs.complete(path, key, ...)` ends it from wherever the engine learns the copy is done. A guard that names
+nothing in the call, on a ThreadLock or NullLock, runs its calls through the fast lane (`kvobs.fast_lane`).
 
 Generators and async generators are refused at decoration: a guard would cover only the creation of the
 generator object, not the copy it performs while iterated. A plain function that returns a coroutine is
@@ -25,7 +26,9 @@ from opentelemetry import trace
 from kvobs.active import ACTIVE, with_added
 from kvobs.arguments import Resolver, SpecError, compile_specs
 from kvobs.errors import TransferRejected
+from kvobs.fast_lane import fast_call
 from kvobs.route import Route
+from kvobs.telemetry.tracing import call_in_span
 from kvobs.transfer import UNSET, CorruptHandler, Transfer
 
 SPEC_FIELDS = ("keys", "block_ids", "requests", "sync", "cache", "nbytes", "request_id", "group_sizes",
@@ -64,7 +67,11 @@ class Guard:
         resolvers = compile_specs(self.specs, func)
         if inspect.iscoroutinefunction(func):
             return functools.wraps(func)(self._async_wrapper(func, resolvers))
-        return functools.wraps(func)(self._sync_wrapper(func, resolvers))
+        general = self._sync_wrapper(func, resolvers)
+        lane = self.route.lane
+        if lane is not None and not resolvers and self.result is None:  # nothing to validate or read back
+            return functools.wraps(func)(fast_call(self.route, lane, func, general))
+        return functools.wraps(func)(general)
 
     def __enter__(self) -> None:
         raise TypeError(
@@ -92,7 +99,7 @@ class Guard:
                     if t.span is None:
                         result = func(*args, **kwargs)
                     else:
-                        result = _call_in_span(t.span, func, args, kwargs)
+                        result = call_in_span(t.span, func, args, kwargs)
                 finally:
                     ACTIVE.set(previous)
                 if result is not None and inspect.isawaitable(result):
@@ -160,17 +167,6 @@ class Guard:
             group_sizes=values.get("group_sizes"),
             completes_later="complete_later" in values,
         )
-
-
-def _call_in_span(span: Any, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    """Run `func` with the transfer's span current, so the engine's own spans and logs nest under it."""
-    if span is None:
-        return func(*args, **kwargs)
-    token = otel_context.attach(trace.set_span_in_context(span))
-    try:
-        return func(*args, **kwargs)
-    finally:
-        otel_context.detach(token)
 
 
 async def _await_under(t: Transfer, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fcntl
 import functools
+import operator
 import os
 import threading
 import time
@@ -18,6 +19,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable
 from itertools import compress
+from time import perf_counter
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from kvobs.atomic import Held, push_if, push_unless_raises, release_now
@@ -86,8 +88,11 @@ class _ExclusiveLock:
 
     name: str
     timeout: float | None
-    _since: float
-    _holder: str
+    # Who holds the mutex since when (perf_counter), for `held_for()` and conflict reports; written by whoever
+    # takes it (here, or the fast lane). Nothing to undo: they are read only while the mutex is locked, and
+    # the next holder overwrites them.
+    holder: str
+    held_since: float
 
     def acquire_into(
         self, held: Held, claim: Claim, timeout: float | None, on_conflict: OnConflict | None = None
@@ -95,14 +100,12 @@ class _ExclusiveLock:
         raise NotImplementedError
 
     def _start_holding(self, held: Held, claim: Claim) -> None:
-        """Note who holds since when, for `held_for()` and conflict reports. Nothing to undo: `held_for()`
-        reads it only while the mutex is locked, and the next holder overwrites it."""
-        self._since = time.monotonic()
-        self._holder = claim.holder
+        self.held_since = perf_counter()
+        self.holder = claim.holder
 
     def _init_holding(self) -> None:
-        self._since = 0.0
-        self._holder = UNKNOWN_HOLDER
+        self.held_since = 0.0
+        self.holder = UNKNOWN_HOLDER
         self._direct: Held = deque()
 
     def _mutex_locked(self) -> bool:
@@ -112,8 +115,8 @@ class _ExclusiveLock:
         return True
 
     def held_for(self) -> float:
-        since = self._since
-        return time.monotonic() - since if since and self._mutex_locked() else 0.0
+        since = self.held_since
+        return perf_counter() - since if since and self._mutex_locked() else 0.0
 
     def acquire(self, timeout: float | None = None) -> bool:
         """Take the lock outside a kvobs guard; True when acquired, False when `timeout` expired.
@@ -171,12 +174,17 @@ class ThreadLock(_ExclusiveLock):
         held.extendleft(compress(self._undo, map(lock.acquire, _NO_WAIT)))  # push_if, inlined: the hot path
         if len(held) == before:
             if on_conflict is not None:
-                on_conflict(self._holder)
+                on_conflict(self.holder)
             if timeout == 0 or not push_if(held, lock.release, lock.acquire, True, _wait_arg(timeout)):
                 return False
-        self._since = time.monotonic()  # _start_holding, inlined on the hot path
-        self._holder = claim.holder
+        self.held_since = perf_counter()  # _start_holding, inlined on the hot path
+        self.holder = claim.holder
         return True
+
+    def uncontended_pair(self) -> tuple[Callable[[bool], bool], Callable[[], None]]:
+        """(try_acquire, release) for the fast lane (`kvobs.fast_lane`): C-level calls on the current mutex.
+        The lane sets `holder` and `held_since` once it holds."""
+        return self._lock.acquire, self._lock.release
 
     def __repr__(self) -> str:
         return f"ThreadLock({self.name!r})"
@@ -187,6 +195,9 @@ class NullLock:
 
     Accepts ``name`` and ``timeout`` only so that every lock class can be built the same way.
     """
+
+    holder = UNKNOWN_HOLDER  # written by the fast lane like any lock's; never read
+    held_since = 0.0
 
     def __init__(self, name: str = "none", timeout: float | None = None) -> None:
         self.name = name
@@ -208,6 +219,10 @@ class NullLock:
 
     def held_for(self) -> float:
         return 0.0
+
+    def uncontended_pair(self) -> tuple[Callable[[bool], bool], Callable[[], Any]]:
+        """(try_acquire, release) for the fast lane: always taken (`not False`), nothing to release."""
+        return operator.not_, tuple
 
     def __enter__(self) -> NullLock:
         return self
@@ -283,7 +298,7 @@ class ProcessLock(_ExclusiveLock):
         mutex = self._mutex
         if not push_if(held, mutex.release, mutex.acquire, False):
             if on_conflict is not None:
-                on_conflict(self._holder)
+                on_conflict(self.holder)
                 on_conflict = None
             if timeout == 0 or not push_if(held, mutex.release, mutex.acquire, True, _wait_arg(timeout)):
                 return False

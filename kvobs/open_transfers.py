@@ -5,7 +5,8 @@ removal is one of its undo steps, see `kvobs.atomic`), so the counts never disag
 transfer is findable by key only once every undo step is recorded: nothing is pushed after another thread
 may end it. One daemon thread per process abandons open transfers past their deadline (`due`); it holds
 observers' tables weakly and is restarted in a forked child, where the parent's open transfers are
-forgotten.
+forgotten. Calls on the fast lane (`kvobs.fast_lane`) are counted, aged and abandoned through the lanes a
+table watches: a lane's slot is open exactly while its release is pending.
 """
 
 from __future__ import annotations
@@ -43,7 +44,13 @@ class OpenTransfers:
         self._seq = itertools.count()
         self.by_path: dict[str, dict[int, Abandonable]] = {p: {} for p in paths}
         self.by_key: dict[tuple[str, Any], Abandonable] = {}
+        self.lanes: list[Any] = []  # fast lanes (`kvobs.fast_lane`) this observer's calls may take
         _REAPER.watch(self, deadline_s)
+
+    def watch_lane(self, lane: Any) -> None:
+        """Count, age and abandon this observer's calls on `lane` too."""
+        if lane not in self.lanes:
+            self.lanes.append(lane)
 
     def enter(self, held: Held, t: Abandonable) -> None:
         """Count `t` as open until its undo steps run."""
@@ -66,15 +73,18 @@ class OpenTransfers:
         return self.by_key.get((path, key))
 
     def count(self, path: str) -> int:
-        return len(self.by_path[path])
+        return len(self.by_path[path]) + sum(len(lane.open_calls(self, path)) for lane in self.lanes)
 
     def oldest_age(self, path: str) -> float:
         """Seconds since the oldest open transfer on `path` began; 0.0 when none is open."""
         try:
             oldest = next(iter(self.by_path[path].values()), None)
         except RuntimeError:  # the table changed while being read (another thread): report none this time
-            return 0.0
-        return 0.0 if oldest is None else max(0.0, perf_counter() - oldest.t_begin)
+            oldest = None
+        begins = [slot.t_begin for lane in self.lanes for slot in lane.open_calls(self, path)]
+        if oldest is not None:
+            begins.append(oldest.t_begin)
+        return max(0.0, perf_counter() - min(begins)) if begins else 0.0
 
     def expired(self, now: float) -> list[Abandonable]:
         """Open transfers past their deadline."""
@@ -84,6 +94,8 @@ class OpenTransfers:
                 due_now.extend(t for t in table.values() if t.due <= now)
             except RuntimeError:  # changed by another thread while read: the next round looks again
                 pass
+        for lane in self.lanes:
+            due_now.extend(lane.expired(self, now))
         return due_now
 
     def forget(self) -> None:

@@ -166,7 +166,7 @@ class Transfer:
 
     def _start_waiting(self) -> Route:
         route = self.route
-        if active.ACTIVE.get():
+        if active.ACTIVE.get() or route.lane is not None and route.lane.held_here():
             self._refuse_reentry()
         held = self._held = deque()
         self._release = one_shot_release(held)
@@ -178,7 +178,8 @@ class Transfer:
 
     def _refuse_reentry(self) -> None:
         lock = self.route.lock
-        for other in active.ACTIVE.get():
+        lane = self.route.lane
+        for other in active.ACTIVE.get() + (lane.held_here() if lane is not None else ()):
             if self.claim is None or other.claim is None:
                 continue  # claims nothing: cannot wait for itself
             if other.route.lock is lock and other.holds() and lock.overlaps(other.claim, self.claim):

@@ -103,6 +103,8 @@ class Recorder:
         self.failed = failures
         self.holder = holder
         self.traces = self.tracer_source is not None and not holder
+        # an ok transfer with no span is then only counted: `counted_ok` suffices (no hook, no log line)
+        self.counts_only = not self.hooks and _LEVEL[sc.OUTCOME_OK] < self.log_level
         self.block_bytes = block_bytes or 0
         self.lock_name = lock_name
         self.span_name = sc.span_name(path)
@@ -120,11 +122,17 @@ class Recorder:
             parent = propagate.extract(t.trace_context) if t.trace_context else None
             span = tracer.start_span(self.span_name, context=parent, attributes=self._static)
             if span.is_recording():
-                span.set_attributes(self._start_attributes(t))
+                attributes = self._start_attributes(t)
+                if attributes:
+                    span.set_attributes(attributes)
             return span
         except Exception as exc:  # noqa: BLE001 - telemetry never breaks the engine
             self.failed("tracing", exc)
             return None
+
+    def start_plain_span(self) -> Any:
+        """`start_span` for a transfer that names nothing in the call (the fast lane's)."""
+        return self.start_span(_NOTHING_GIVEN)
 
     def _start_attributes(self, t: Ended) -> dict[str, Any]:
         attrs: dict[str, Any] = {}
@@ -243,6 +251,17 @@ class Recorder:
         except Exception as exc:  # noqa: BLE001 - whatever this layer gets wrong, the engine's call is unaffected
             self.failed("metrics", exc)
 
+    def counted_ok(self, begin: float, end: float) -> None:
+        """`ended` for an ok fast-lane call (`kvobs.fast_lane`: whole cache, no span, no wait) when
+        `counts_only`: its one telemetry call."""
+        metrics = self.metrics
+        if metrics is not None:
+            try:
+                held = end - begin
+                metrics.finished(sc.OUTCOME_OK, held, 0.0, held, 0, 0, None)
+            except Exception as exc:  # noqa: BLE001
+                self.failed("metrics", exc)
+
     def _finish_span(self, t: Ended, span: Any, wait: float, hold: float, nbytes: int) -> None:
         try:
             if span.is_recording():
@@ -328,6 +347,13 @@ class Recorder:
                     self.failed("hook", exc)
 
 
+class _NothingGiven:
+    """The start of a transfer that names nothing: no carried trace context, no blocks, keys or requests."""
+
+    trace_context = blocks = keys = request_id = requests = None
+
+
+_NOTHING_GIVEN: Any = _NothingGiven()
 _ZEROS = (0.0, 0.0, 0.0)
 _THIRD = operator.itemgetter(2)
 

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import math
 import os
-from time import monotonic
+from time import perf_counter
+from collections.abc import Callable
 from typing import Any
 
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import NoOpTracerProvider, ProxyTracerProvider, Tracer, TracerProvider
 
@@ -29,30 +31,39 @@ class TracerSource:
     def __init__(self, provider: TracerProvider | None) -> None:
         self._explicit = provider is not None
         self._provider: Any = None
-        self._tracer: Tracer | None = None
-        self._recheck_at = 0.0
+        self.tracer: Tracer | None = None  # read directly on the fast lane, with `recheck_at`
+        self.recheck_at = float("inf") if self._explicit else 0.0  # perf_counter() time of the next lookup
         if provider is not None:
             self._adopt(provider)
 
     def _adopt(self, provider: Any) -> None:
         self._provider = provider
         if isinstance(provider, (ProxyTracerProvider, NoOpTracerProvider)):
-            self._tracer = None
+            self.tracer = None
         else:
-            self._tracer = provider.get_tracer(INSTRUMENTATION_NAME, __version__)
+            self.tracer = provider.get_tracer(INSTRUMENTATION_NAME, __version__)
 
     def get(self) -> Tracer | None:
         """None while only the no-op API is in place. The global provider is looked up at most once per
         `RECHECK_S` (the lookup reads os.environ: too slow for every call), so a provider set later is picked up
         within it."""
         if not self._explicit:
-            now = monotonic()
-            if now >= self._recheck_at:
-                self._recheck_at = now + RECHECK_S
+            now = perf_counter()
+            if now >= self.recheck_at:
+                self.recheck_at = now + RECHECK_S
                 provider = trace.get_tracer_provider()
                 if provider is not self._provider:
                     self._adopt(provider)
-        return self._tracer
+        return self.tracer
+
+
+def call_in_span(span: Any, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """Run `func` with a transfer's span current, so the engine's own spans and logs nest under it."""
+    token = otel_context.attach(trace.set_span_in_context(span))
+    try:
+        return func(*args, **kwargs)
+    finally:
+        otel_context.detach(token)
 
 
 def configure_tracing(

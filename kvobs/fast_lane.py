@@ -1,0 +1,229 @@
+"""The transfer lifecycle's fast lane: a synchronous guarded call that names nothing to validate, on a lock
+whose uncontended acquire is one C call (ThreadLock, NullLock), recorded without building a Transfer.
+
+Why: the general lifecycle (transfer.py) builds a Transfer, an undo deque, a one-shot release and an entry
+in the open-transfer table for every call, about fifteen Python calls. A call that claims the whole cache
+and completes before it returns needs none of that, only the same guarantees, which this lane keeps with
+no allocation per call. Each thread has one reusable Slot per lock:
+
+- Acquire and record in one C call: `next(slot.arm)` runs `try_acquire(False)` and stores the lock's
+  release (NOOP when the lock was busy) in `slot.pending` under a fresh key, so an interrupt right after
+  finds the release recorded (see `kvobs.atomic` for why that matters).
+- Release once, from any thread, in one C call: `all(slot.drain)` pops the newest entry and calls it; it
+  raises KeyError when nothing is left, that is when the deadline thread took the release first.
+- The deadline thread takes an expired call's release by that call's key, so never a later call's.
+
+A traced call starts its span once it holds (its wait is none) and runs with the span current, as on the
+general path. Everything else goes to the general lifecycle, which decides as it always does: a busy lock
+(it waits, times out, counts the conflict) and a guarded call nested in another (refused as re-entry).
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+import threading
+import weakref
+from collections.abc import Callable
+from time import perf_counter
+from typing import TYPE_CHECKING, Any
+
+from kvobs import async_wait
+from kvobs import semconv as sc
+from kvobs.active import ACTIVE
+from kvobs.atomic import CALL
+from kvobs.forks import renewed_after_fork
+from kvobs.telemetry.tracing import call_in_span
+
+if TYPE_CHECKING:
+    from kvobs.route import Route
+
+NOOP: Callable[[], Any] = bool  # what `arm` stores when the lock was busy; returns False, so `all()` stops
+_SECOND = operator.itemgetter(1)
+
+
+class Slot:
+    """One thread's fast-lane call on one lock, reused call after call. `route` and `t_begin` are set before
+    `arm` runs, so whoever sees a release in `pending` reads that call's values, or a later call's."""
+
+    __slots__ = ("__weakref__", "arm", "drain", "pending", "release", "route", "span", "t_begin")
+
+    def __init__(self, try_acquire: Callable[[bool], bool], release: Callable[[], Any]) -> None:
+        pending: dict[int, Callable[[], Any]] = {}
+        self.pending = pending
+        self.release = release
+        outcome = {True: release, False: NOOP}
+        self.arm = map(pending.setdefault, itertools.count(),
+                       map(outcome.__getitem__, map(try_acquire, itertools.repeat(False))))
+        self.drain = map(CALL, map(_SECOND, map(dict.popitem, itertools.repeat(pending))))
+        self.route: Route | None = None
+        self.t_begin = 0.0
+        self.span: Any = None  # the traced call's span, for the deadline thread to end; None between calls
+
+    def holds(self) -> bool:
+        return self.release in self.pending.values()
+
+    @property
+    def path(self) -> str:
+        return self.route.path if self.route is not None else ""
+
+    @property
+    def claim(self) -> Any:
+        return self.route.whole_cache if self.route is not None else None
+
+    def expired_keys(self, now: float) -> list[int]:
+        """Keys of held releases whose call is past its deadline. `pending` is read first: a call sets
+        `route` and `t_begin` before it arms, so a key read here is judged by its own deadline or a later one."""
+        keys = [key for key, undo in list(self.pending.items()) if undo is self.release]
+        route = self.route
+        return keys if keys and route is not None and self.t_begin + route.deadline_s <= now else []
+
+
+class FastLane:
+    """The fast-lane slots of one lock in this process, one per thread."""
+
+    def __init__(self, lock: Any) -> None:
+        self._lock = weakref.ref(lock)  # the lock's own table of lanes holds this lane; no cycle through it
+        self._renew()
+        _LANES.add(self)
+
+    def _renew(self) -> None:
+        """At creation, and in a forked child: the parent's threads and their slots are not the child's."""
+        self.local = threading.local()
+        self.slots: weakref.WeakSet[Slot] = weakref.WeakSet()
+
+    def new_slot(self) -> Slot:
+        """This thread's slot, created on its first fast-lane call (after a fork, from the child's fresh mutex)."""
+        slot = self.local.slot = Slot(*self._lock().uncontended_pair())
+        self.slots.add(slot)
+        return slot
+
+    def held_here(self) -> tuple[Slot, ...]:
+        """The slot through which this thread holds the lock now, if it does: a guarded call made under it
+        would wait for itself (see `kvobs.active`)."""
+        slot = getattr(self.local, "slot", None)
+        return (slot,) if slot is not None and slot.holds() else ()
+
+    def open_calls(self, route_open: Any, path: str) -> list[Slot]:
+        """Slots holding the lock now for a call on `path` of the observer whose open table is `route_open`."""
+        return [s for s in list(self.slots)
+                if s.route is not None and s.route.open is route_open and s.route.path == path and s.holds()]
+
+    def expired(self, route_open: Any, now: float) -> list[ExpiredCall]:
+        """Calls of that observer past their deadline, each to be abandoned once."""
+        return [ExpiredCall(s, key) for s in list(self.slots)
+                if s.route is not None and s.route.open is route_open for key in s.expired_keys(now)]
+
+
+class ExpiredCall:
+    """A fast-lane call past its deadline, as the deadline thread sees it."""
+
+    def __init__(self, slot: Slot, key: int) -> None:
+        self.slot, self.key = slot, key
+        self.path = slot.path
+
+    def abandon(self) -> None:
+        """Release (unless the call ended first: then nothing happens) and record `abandoned`. The slot's values
+        are read before the release is taken, while the call still holds, so they are that call's."""
+        slot = self.slot
+        route: Any = slot.route  # set before the call armed its key
+        t_begin, span = slot.t_begin, slot.span
+        undo = slot.pending.pop(self.key, None)
+        if undo is None:
+            return
+        undo()
+        slot.span = None
+        if async_wait.waiting:
+            async_wait.wake_waiters(route.lock)
+        route.recorder.ended(LaneRecord(route, sc.OUTCOME_ABANDONED, t_begin, perf_counter(), span))
+
+
+class LaneRecord:
+    """What the recorder reads of a fast-lane call that needs more than counting (`Recorder.Ended`). Its lock
+    wait is zero: the lane took a free lock at its first try (a busy one sends the call to the general
+    lifecycle, which times the wait)."""
+
+    keys = cache = nbytes = request_id = key = trace_context = None
+    blocks = reported_moved = requests = request_blocks = None
+    bad_block_ids: tuple[int, ...] = ()
+
+    def __init__(self, route: Route, outcome: str, t_begin: float, t_end: float, span: Any = None,
+                 error: BaseException | None = None) -> None:
+        self.path = route.path
+        self.outcome, self.error, self.span = outcome, error, span
+        self.t_begin = self.t_acquired = t_begin
+        self.t_end = t_end
+
+
+def lane_for(lock: Any) -> FastLane | None:
+    """The lock's fast lane, or None for a lock whose uncontended acquire is more than one C call."""
+    if getattr(lock, "uncontended_pair", None) is None:
+        return None
+    lane = _BY_LOCK.get(lock)
+    if lane is None:
+        lane = _BY_LOCK.setdefault(lock, FastLane(lock))
+    return lane
+
+
+def fast_call(route: Route, lane: FastLane, func: Callable[..., Any], general: Callable[..., Any]
+              ) -> Callable[..., Any]:
+    """`func` guarded through the fast lane, handing every call the lane does not take to `general`."""
+    recorder = route.recorder
+    tracing = recorder.tracer_source if recorder.traces else None
+    local, lock, path = lane.local, route.lock, route.path
+
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        """Written out flat, and in this order on purpose: see the module docstring."""
+        if ACTIVE.get():
+            return general(*args, **kwargs)
+        try:
+            slot = local.slot
+        except AttributeError:
+            slot = lane.new_slot()
+        if slot.pending:  # nested (a signal handler's call, say): the general path refuses it as re-entry
+            return general(*args, **kwargs)
+        t0 = perf_counter()
+        slot.route, slot.t_begin = route, t0
+        span = None
+        try:
+            if next(slot.arm) is NOOP:
+                all(slot.drain)  # nothing held: the general lifecycle waits for the lock
+                return general(*args, **kwargs)
+            lock.holder, lock.held_since = path, t0
+            if tracing is not None and (tracing.tracer is not None or t0 >= tracing.recheck_at):
+                span = slot.span = recorder.start_plain_span()  # None when no provider is set after all
+            result = func(*args, **kwargs) if span is None else call_in_span(span, func, args, kwargs)
+        except BaseException as exc:
+            ended_here = True
+            try:
+                all(slot.drain)
+            except KeyError:  # the deadline thread released it and recorded the call
+                ended_here = False
+            if ended_here:
+                _record(route, sc.OUTCOME_ERROR, t0, span, exc)
+            raise
+        try:
+            all(slot.drain)
+        except KeyError:
+            return result  # abandoned past its deadline: already recorded
+        t1 = perf_counter()
+        if async_wait.waiting:
+            async_wait.wake_waiters(lock)
+        if span is None and recorder.counts_only:
+            recorder.counted_ok(t0, t1)
+        else:
+            slot.span = None
+            recorder.ended(LaneRecord(route, sc.OUTCOME_OK, t0, t1, span))
+        return result
+
+    return guarded
+
+
+def _record(route: Route, outcome: str, t_begin: float, span: Any, error: BaseException) -> None:
+    if async_wait.waiting:
+        async_wait.wake_waiters(route.lock)
+    route.recorder.ended(LaneRecord(route, outcome, t_begin, perf_counter(), span, error))
+
+
+_BY_LOCK: weakref.WeakKeyDictionary[Any, FastLane] = weakref.WeakKeyDictionary()
+_LANES: weakref.WeakSet[FastLane] = renewed_after_fork(FastLane._renew)

@@ -1,0 +1,478 @@
+"""The fast lane (`kvobs.fast_lane`): a synchronous guarded call that names nothing in the call, on a
+ThreadLock or NullLock, keeps every guarantee of the general lifecycle.
+
+Real threads, real forks and real signals: the lane's safety rests on what the interpreter does between two
+bytecodes, so nothing here is mocked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import structlog
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import NoOpTracerProvider
+from prometheus_client import CollectorRegistry
+
+import kvobs
+from kvobs import async_wait
+from kvobs import semconv as sc
+from kvobs.errors import ReentrantLockError
+from kvobs.locks import ProcessLock
+from support import REPO, hold_in_thread, lock_is_free, lock_is_free_from_other_thread
+from test_lifecycle_defects import _interrupt_storm
+
+
+REGISTRIES: dict[int, CollectorRegistry] = {}
+
+
+def observer(lock=None, **options) -> kvobs.KVObserver:
+    """Metrics only: an explicit no-op tracer provider, whatever another test set globally."""
+    options.setdefault("tracer_provider", NoOpTracerProvider())
+    options.setdefault("lock_timeout", 2.0)
+    registry = options.setdefault("registry", CollectorRegistry())
+    obs = kvobs.KVObserver("lane", lock=lock or kvobs.ThreadLock(), integrity=None, **options)
+    REGISTRIES[id(obs)] = registry
+    return obs
+
+
+def value(obs: kvobs.KVObserver, name: str, **labels) -> float:
+    return REGISTRIES[id(obs)].get_sample_value(name, {"engine": "lane", **labels}) or 0.0
+
+
+def lane_slot(obs: kvobs.KVObserver, path: str):
+    """The calling thread's slot on the lane of `path`'s route, or None when no call here took the lane."""
+    return getattr(obs._routes[path].lane.local, "slot", None)
+
+
+def test_a_guard_naming_nothing_takes_the_lane_and_counts_like_the_general_path(tmp_path):
+    fast = observer()
+    general = observer(lock=ProcessLock("lane-general", directory=tmp_path))
+    assert general._routes["send"].lane is None  # a two-step acquire (mutex, then flock): no lane
+
+    for obs in (fast, general):
+        @obs.send()
+        def send(x):
+            return x * 2
+
+        assert [send(i) for i in range(5)] == [0, 2, 4, 6, 8]
+        assert value(obs, sc.TRANSFERS_TOTAL, path="send", outcome="ok") == 5
+        assert value(obs, sc.TRANSFER_DURATION_SECONDS + "_count", path="send", outcome="ok") == 5
+        lock_name = obs.lock.name
+        assert value(obs, sc.LOCK_WAIT_SECONDS + "_count", lock=lock_name, path="send") == 5
+        assert value(obs, sc.LOCK_HOLD_SECONDS + "_count", lock=lock_name, path="send") == 5
+        assert value(obs, sc.TRANSFER_BLOCKS_TOTAL, path="send") == 0
+        assert lock_is_free(obs.lock) and obs.open.count("send") == 0
+    assert lane_slot(fast, "send") is not None
+
+
+def test_a_guard_with_specs_or_a_result_reader_stays_on_the_general_path():
+    obs = observer()
+
+    @obs.send(block_ids="ids")
+    def send(ids):
+        return ids
+
+    @obs.prefetch(result=list)
+    def load():
+        return [1]
+
+    send([1, 2])
+    load()
+    assert lane_slot(obs, "send") is None and lane_slot(obs, "prefetch") is None
+    assert value(obs, sc.TRANSFER_BLOCKS_TOTAL, path="send") == 2
+
+
+def test_an_error_passes_through_unchanged_and_is_recorded():
+    obs = observer()
+    cause = ValueError("cause")
+
+    @obs.write_back()
+    def write():
+        raise RuntimeError("boom") from cause
+
+    with pytest.raises(RuntimeError) as info:
+        write()
+    assert info.value.__cause__ is cause
+    assert value(obs, sc.TRANSFERS_TOTAL, path="write_back", outcome="error") == 1
+    assert lock_is_free(obs.lock) and obs.open.count("write_back") == 0
+
+
+def test_a_busy_lock_sends_the_call_to_the_general_path_which_waits_counts_and_times_out():
+    obs = observer(lock_timeout=0.2)
+
+    @obs.send()
+    def send():
+        return "sent"
+
+    release, thread = hold_in_thread(obs.lock._lock)
+    try:
+        with pytest.raises(kvobs.LockTimeout):
+            send()
+    finally:
+        release.set()
+        thread.join()
+    assert value(obs, sc.TRANSFERS_TOTAL, path="send", outcome="timeout") == 1
+    assert send() == "sent"
+    assert lock_is_free(obs.lock)
+
+
+def test_a_conflict_names_the_fast_lane_holder_and_held_for_counts_its_hold():
+    obs = observer()
+    inside, leave = threading.Event(), threading.Event()
+
+    @obs.prefetch()
+    def load():
+        inside.set()
+        leave.wait(10)
+
+    @obs.send()
+    def send():
+        return "sent"
+
+    thread = threading.Thread(target=load)
+    thread.start()
+    assert inside.wait(10)
+    time.sleep(0.02)
+    assert obs.lock.held_for() >= 0.02
+    assert obs.open.count("prefetch") == 1 and obs.open.oldest_age("prefetch") >= 0.02
+    assert value(obs, sc.TRANSFERS_IN_FLIGHT, path="prefetch") == 1  # the scraped gauge agrees
+    waiter = threading.Thread(target=send)
+    waiter.start()
+    time.sleep(0.05)
+    leave.set()
+    thread.join()
+    waiter.join()
+    assert value(obs, sc.LOCK_CONFLICTS_TOTAL, lock=obs.lock.name, path="send", holder_path="prefetch") == 1
+    assert obs.lock.held_for() == 0.0 and obs.open.count("prefetch") == 0
+
+
+@pytest.mark.parametrize("inner", ["fast", "general", "with"])
+def test_a_guarded_call_under_a_fast_lane_call_on_the_same_lock_is_refused_at_once(inner):
+    obs = observer(lock_timeout=5.0)
+
+    @obs.write_back()
+    def fast_inner():
+        return None
+
+    @obs.write_back(block_ids="ids")
+    def general_inner(ids):
+        return None
+
+    def with_inner():
+        with obs.transfer("write_back", block_ids=[3]):
+            pass
+
+    nested = {"fast": fast_inner, "general": lambda: general_inner([1]), "with": with_inner}[inner]
+
+    @obs.prefetch()
+    def outer():
+        started = time.monotonic()
+        with pytest.raises(ReentrantLockError, match="prefetch"):
+            nested()
+        return time.monotonic() - started
+
+    assert outer() < 1.0  # refused, not timed out
+    assert lock_is_free(obs.lock)
+    assert value(obs, sc.TRANSFERS_TOTAL, path="prefetch", outcome="ok") == 1
+
+
+def test_a_fast_lane_call_under_a_with_block_is_refused_too():
+    obs = observer(lock_timeout=5.0)
+
+    @obs.send()
+    def send():
+        return None
+
+    with obs.transfer("write_back", block_ids=[1]):
+        with pytest.raises(ReentrantLockError):
+            send()
+    assert lock_is_free(obs.lock)
+
+
+def test_another_lock_under_a_fast_lane_call_is_no_reentry():
+    obs, other = observer(), observer()
+
+    @other.send()
+    def inner():
+        return "inner"
+
+    @obs.send()
+    def outer():
+        return inner()
+
+    assert outer() == "inner"
+    assert lock_is_free(obs.lock) and lock_is_free(other.lock)
+
+
+def test_a_hung_call_is_abandoned_at_its_deadline_and_its_late_return_changes_nothing():
+    records = []
+    obs = observer(deadline=0.2, hooks=[records.append])
+    leave = threading.Event()
+
+    @obs.prefetch()
+    def load():
+        leave.wait(10)
+        return "late"
+
+    results = []
+    thread = threading.Thread(target=lambda: results.append(load()))
+    thread.start()
+    deadline = time.monotonic() + 5
+    while not records and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [r.outcome for r in records] == [sc.OUTCOME_ABANDONED]
+    assert lock_is_free_from_other_thread(obs.lock)
+    assert obs.open.count("prefetch") == 0
+    leave.set()
+    thread.join()
+    assert results == ["late"] and len(records) == 1
+
+
+def test_the_deadline_thread_never_takes_a_later_calls_release():
+    """The key a call arms under, not the slot, is what the deadline thread takes: a stale view of an
+    expired call finds nothing once that call ended, even though the slot holds again."""
+    obs = observer(deadline=60)
+    inside, leave = threading.Event(), threading.Event()
+
+    @obs.send()
+    def send():
+        inside.set()
+        leave.wait(10)
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    assert inside.wait(10)
+    lane = obs._routes["send"].lane
+    (slot,) = [s for s in lane.slots if s.holds()]
+    stale = lane.expired(obs.open, now=time.perf_counter() + 120)
+    leave.set()
+    thread.join()
+    inside.clear()
+    leave.clear()
+    thread = threading.Thread(target=send)  # another call: another thread's slot, or a later key
+    thread.start()
+    assert inside.wait(10)
+    for call in stale:
+        call.abandon()
+    assert not lock_is_free_from_other_thread(obs.lock)  # the later call still holds
+    leave.set()
+    thread.join()
+    assert value(obs, sc.TRANSFERS_TOTAL, path="send", outcome="ok") == 2
+    assert value(obs, sc.TRANSFERS_TOTAL, path="send", outcome="abandoned") == 0
+    assert slot.pending == {}
+
+
+@pytest.mark.parametrize("lock_kind", ["thread", "null"])
+@pytest.mark.parametrize("enabled", [True, False])
+def test_interrupt_storm_on_the_fast_lane_leaks_nothing(lock_kind, enabled):
+    lock = kvobs.ThreadLock() if lock_kind == "thread" else kvobs.NullLock()
+    obs = observer(lock=lock, enabled=enabled)
+
+    @obs.send()
+    def send():
+        return None
+
+    class Calls:
+        def __call__(self):
+            send()
+
+        def lock_is_free(self):
+            return lock_is_free(lock) and obs.open.count("send") == 0 and not lane_slot(obs, "send").pending
+
+        def recover(self):
+            pass
+
+    send()  # the slot exists before the storm
+    calls, interrupted, leaked = _interrupt_storm(Calls())
+    assert interrupted > 500, (calls, interrupted)
+    assert leaked == 0, f"{leaked} of {interrupted} interrupted calls left something held"
+
+
+@pytest.fixture
+def spans():
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    yield provider, exporter
+    provider.shutdown()
+
+
+def test_a_traced_call_on_the_lane_records_its_span_current_while_the_call_runs(spans):
+    provider, exporter = spans
+    obs = observer(tracer_provider=provider)
+    engine_tracer = provider.get_tracer("engine")
+
+    @obs.send()
+    def send():
+        with engine_tracer.start_as_current_span("engine.copy"):
+            return "sent"
+
+    assert send() == "sent"
+    copy, transfer = exporter.get_finished_spans()
+    assert (copy.name, transfer.name) == ("engine.copy", "kvobs.send")
+    assert copy.parent.span_id == transfer.context.span_id
+    assert transfer.attributes[sc.ATTR_OUTCOME] == "ok" and transfer.attributes[sc.ATTR_LOCK_WAIT_S] == 0.0
+    assert lane_slot(obs, "send").route is obs._routes["send"]
+    exemplar = REGISTRIES[id(obs)].collect()
+    assert any(s.exemplar and s.exemplar.labels["trace_id"] == format(transfer.context.trace_id, "032x")
+               for m in exemplar for s in m.samples)
+
+
+def test_a_traced_call_that_raises_or_hangs_ends_its_span_as_an_error(spans):
+    provider, exporter = spans
+    obs = observer(tracer_provider=provider, deadline=0.2)
+    leave = threading.Event()
+
+    @obs.send()
+    def send(hang):
+        if hang:
+            leave.wait(10)
+            return "late"
+        raise KeyError("gone")
+
+    with pytest.raises(KeyError):
+        send(False)
+    thread = threading.Thread(target=send, args=(True,))
+    thread.start()
+    deadline = time.monotonic() + 5
+    while len(exporter.get_finished_spans()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    leave.set()
+    thread.join()
+    failed, abandoned = exporter.get_finished_spans()
+    assert failed.attributes[sc.ATTR_ERROR_TYPE] == "KeyError"
+    assert abandoned.attributes[sc.ATTR_ERROR_TYPE] == sc.OUTCOME_ABANDONED
+    assert len(exporter.get_finished_spans()) == 2  # the late return ends nothing twice
+
+
+def test_a_global_provider_set_later_is_picked_up_by_the_lane():
+    """In a process of its own: the global provider can be set once per process."""
+    script = """
+import kvobs
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from prometheus_client import CollectorRegistry
+obs = kvobs.KVObserver("lane", registry=CollectorRegistry(), integrity=None)
+@obs.send()
+def send():
+    return None
+send()
+exporter = InMemorySpanExporter()
+provider = TracerProvider()
+provider.add_span_processor(SimpleSpanProcessor(exporter))
+trace.set_tracer_provider(provider)
+obs._routes["send"].recorder.tracer_source.recheck_at = 0.0  # as if RECHECK_S had passed
+send()
+print(len(exporter.get_finished_spans()))
+"""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60)
+    assert out.stdout.strip() == "1", out.stderr
+
+
+def test_hooks_and_debug_logs_see_fast_lane_calls_as_any_other():
+    records, logs = [], structlog.testing.LogCapture()
+    obs = observer(hooks=[records.append], log_level="debug",
+                   logger=structlog.wrap_logger(structlog.PrintLogger(), processors=[logs]))
+
+    @obs.write_back()
+    def write():
+        return None
+
+    write()
+    (record,) = records
+    assert (record.path, record.outcome, record.blocks, record.bytes, record.error) == (
+        "write_back", "ok", 0, 0, None)
+    assert record.lock_wait_s == 0.0 and record.lock_hold_s == record.duration_s > 0
+    assert [e["event"] for e in logs.entries] == ["kvobs.transfer"]
+    assert lane_slot(obs, "write_back") is not None
+
+
+def test_a_failing_metric_never_changes_the_call_and_is_counted(caplog):
+    obs = observer()
+
+    @obs.send()
+    def send():
+        return "sent"
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("metrics down")
+
+    obs._routes["send"].recorder.metrics.finished = broken
+    with caplog.at_level(logging.ERROR):
+        assert send() == "sent"
+    assert value(obs, sc.TELEMETRY_ERRORS_TOTAL, stage="metrics") == 1
+    assert lock_is_free(obs.lock)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
+def test_a_forked_child_takes_its_own_lane_even_when_a_parent_thread_held_the_lock():
+    obs = observer()
+    inside, leave = threading.Event(), threading.Event()
+
+    @obs.send()
+    def send():
+        if threading.current_thread() is not threading.main_thread():
+            inside.set()
+            leave.wait(10)
+        return "sent"
+
+    send()  # the main thread has a slot, built on the parent's mutex
+    thread = threading.Thread(target=send)
+    thread.start()
+    assert inside.wait(10)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            ok = send() == "sent" and lock_is_free(obs.lock) and obs.open.count("send") == 0
+        except BaseException:  # noqa: BLE001
+            ok = False
+        os._exit(0 if ok else 1)
+    leave.set()
+    thread.join()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_release_on_the_fast_lane_wakes_a_coroutine_waiting_for_the_lock(monkeypatch):
+    monkeypatch.setattr(async_wait, "_FIRST_SLEEP_S", 5.0)  # only a wake-up can be quicker than this
+    monkeypatch.setattr(async_wait, "_MAX_SLEEP_S", 5.0)
+    obs = observer(lock_timeout=10.0)
+    inside, leave = threading.Event(), threading.Event()
+
+    @obs.send()
+    def send():
+        inside.set()
+        leave.wait(10)
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    assert inside.wait(10)
+
+    async def wait_for_lock():
+        async with obs.transfer("write_back", block_ids=[1]):
+            return time.monotonic()
+
+    async def main():
+        waiter = asyncio.ensure_future(wait_for_lock())
+        await asyncio.sleep(0.05)
+        released = time.monotonic()
+        leave.set()
+        return await waiter, released
+
+    acquired, released = asyncio.run(main())
+    thread.join()
+    assert acquired - released < 2.0
+    assert lock_is_free(obs.lock)
