@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing
-import queue
 import subprocess
 import sys
 import textwrap
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -146,13 +146,13 @@ def test_a_share_no_pool_thread_began_is_taken_back(monkeypatch):
     """A check whose caller read every chunk before a pool thread started does not wait for that thread."""
     monkeypatch.setattr(threads, "MIN_BYTES_PER_THREAD", 1)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    monkeypatch.setattr(threads, "_start_workers", lambda wanted: None)  # no thread will ever take the share
-    monkeypatch.setattr(threads, "_jobs", queue.SimpleQueue())
+    jobs: list[tuple] = []
+    monkeypatch.setattr(threads, "_jobs", SimpleNamespace(put=jobs.append))  # no pool thread sees the share
     cache = torch.ones(8, 64, dtype=torch.bfloat16)
     cache[6, 3] = float("nan")
     expect(check_blocks(cache, range(8), method="kernel"), nan={6})
-    claim = threads._jobs.get_nowait()[0]
-    assert claim.locked()  # taken back: a pool thread getting it now skips it
+    [(claim, *_)] = jobs
+    assert claim.locked()  # taken back: a pool thread getting it now would skip it
 
 
 def test_fast_path_is_taken_where_it_applies(monkeypatch):

@@ -63,11 +63,11 @@ def _mark_share(plans: list[KernelPlan], ids: np.ndarray, counters: np.ndarray) 
     return flags
 
 
-def _work() -> None:
+def _work(jobs: queue.SimpleQueue[tuple[Any, ...]]) -> None:
     """A pool thread: runs shares forever, each one it claims answered on its check's reply queue (errors
     too)."""
     while True:
-        claim, plans, ids, counters, replies = _jobs.get()
+        claim, plans, ids, counters, replies = jobs.get()
         if not claim.acquire(blocking=False):
             continue  # taken back by the checking thread: it read every chunk itself
         try:
@@ -88,7 +88,7 @@ def _start_workers(wanted: int) -> None:
         return  # the common case, without the lock or os.cpu_count() (a file read: ~80 us on a cold VM)
     with _pool_lock:
         while _started < min(wanted, pool_size()):
-            threading.Thread(target=_work, name=f"kvobs-integrity-{_started}", daemon=True).start()
+            threading.Thread(target=_work, args=(_jobs,), name=f"kvobs-integrity-{_started}", daemon=True).start()
             _started += 1
 
 
