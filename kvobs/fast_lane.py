@@ -26,7 +26,7 @@ import threading
 import weakref
 from collections.abc import Callable
 from time import perf_counter
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from kvobs import async_wait
 from kvobs import semconv as sc
@@ -35,8 +35,17 @@ from kvobs.atomic import CALL
 from kvobs.forks import renewed_after_fork
 from kvobs.telemetry.tracing import call_in_span
 
-if TYPE_CHECKING:
-    from kvobs.route import Route
+
+class Route(Protocol):
+    """What the lane reads of a `kvobs.route.Route` (which builds its lane: no import back)."""
+
+    path: str
+    lock: Any
+    deadline_s: float
+    recorder: Any
+    open: Any
+    whole_cache: Any
+
 
 NOOP: Callable[[], Any] = bool  # what `arm` stores when the lock was busy; returns False, so `all()` stops
 _SECOND = operator.itemgetter(1)
@@ -182,8 +191,7 @@ def fast_call(route: Route, lane: FastLane, func: Callable[..., Any], general: C
             slot = lane.new_slot()
         if slot.pending:  # nested (a signal handler's call, say): the general path refuses it as re-entry
             return general(*args, **kwargs)
-        t0 = perf_counter()
-        slot.route, slot.t_begin = route, t0
+        slot.route, slot.t_begin = route, (t0 := perf_counter())
         span = None
         try:
             if next(slot.arm) is NOOP:
@@ -206,14 +214,13 @@ def fast_call(route: Route, lane: FastLane, func: Callable[..., Any], general: C
             all(slot.drain)
         except KeyError:
             return result  # abandoned past its deadline: already recorded
-        t1 = perf_counter()
         if async_wait.waiting:
             async_wait.wake_waiters(lock)
         if span is None and recorder.counts_only:
-            recorder.counted_ok(t0, t1)
+            recorder.counted_ok(t0, perf_counter())
         else:
             slot.span = None
-            recorder.ended(LaneRecord(route, sc.OUTCOME_OK, t0, t1, span))
+            recorder.ended(LaneRecord(route, sc.OUTCOME_OK, t0, perf_counter(), span))
         return result
 
     return guarded

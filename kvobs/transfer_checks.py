@@ -7,18 +7,26 @@ transfer once the lock is held, the destinations of a writing transfer at comple
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from kvobs.errors import CorruptKVError
 from kvobs.validation import Blocks
 
-if TYPE_CHECKING:
-    from kvobs.transfer import Transfer
+
+class Checked(Protocol):
+    """What the check reads and writes of a `kvobs.transfer.Transfer` (which calls it: no import back)."""
+
+    path: str
+    route: Any
+    cache: Any
+    cache_info: Any
+    on_corrupt: Any
+    bad_block_ids: tuple[int, ...]
 
 UNSET: Any = object()  # "not given" for arguments; "clean, the transfer's own result stands" for checks
 
 
-def replacement(t: Transfer, blocks: Blocks | None, *, can_replace: bool) -> Any:
+def replacement(t: Checked, blocks: Blocks | None, *, can_replace: bool) -> Any:
     """Check `blocks` of `t`'s cache under the lock. Returns the result that replaces a corrupt transfer's
     (`on_corrupt`'s, or `skip`'s), or UNSET when clean; raises CorruptKVError for `raise`, and for anything
     else when the caller's code cannot be replaced (a with-block, `obs.begin`)."""
