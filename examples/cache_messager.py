@@ -30,8 +30,8 @@ from kvobs.signals import ReadySignal, StepAlignedSignalBuffer
 LAYERS = 4
 registry = CollectorRegistry()  # an application would usually keep prometheus_client's default registry
 obs = kvobs.KVObserver("cache-messager-example", registry=registry, lock=None, integrity=None)
-signals = obs.signal_buffer(ttl_s=1.0, max_pending=64)
 ready: queue.Queue[ReadySignal | None] = queue.Queue()  # sends that may start, for the sender thread
+signals = obs.signal_buffer(ttl_s=1.0, max_pending=64, on_recovered=ready.put)  # recovered signals go there too
 slot0_registered, slot1_signalled, leftovers_signalled = threading.Event(), threading.Event(), threading.Event()
 
 
@@ -57,12 +57,11 @@ def scheduler() -> None:
     slot0_registered.set()
     slot1_signalled.wait()
     time.sleep(0.01)
-    if (sig := signals.register(1, need_tokens=64)) is not None:  # the early signal is recovered, exactly once
-        ready.put(sig)
+    signals.register(1, need_tokens=64)  # the early signal is recovered, exactly once, into `ready`
     ready.join()  # both sends handed over (this only keeps the printed lines in order)
     leftovers_signalled.wait()
-    kept = signals.register(2, need_tokens=128)  # the stale signal claims more tokens than this task needs
-    print(f"slot 2 registered, stale signal dropped: {kept is None}")
+    signals.register(2, need_tokens=128)  # the stale signal claims more tokens than this task needs
+    print(f"slot 2 registered, stale signal dropped: {signals.progress(2) is None}")
     signals.finish(3)  # the failed request: its waiting signal is dropped
 
 

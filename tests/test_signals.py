@@ -83,6 +83,11 @@ def nothing_but(**expected: float) -> dict[str, float]:
     return {**dict.fromkeys(sc.SIGNAL_OUTCOMES, 0.0), **expected}
 
 
+def waited(registry: CollectorRegistry, engine: str = ENGINE) -> float:
+    """The summed waits of the recovered signals, from one scrape."""
+    return registry.get_sample_value(sc.SIGNAL_BUFFERED_SECONDS + "_sum", {"engine": engine}) or 0.0
+
+
 @pytest.fixture
 def env():
     registry, metrics = make_metrics()
@@ -99,11 +104,11 @@ def env():
 def test_registered_slot_is_ready_at_once_and_early_signal_is_recovered_exactly_once(env):
     buf, registry, clock, _ = env
     assert buf.register(1, need_tokens=100) is None
-    assert buf.signal(1, 0, 64) == ReadySignal(1, 0, 64, 0.0)
-    assert buf.signal(2, 0, 32) is None  # task not registered yet: buffered
+    assert buf.signal(1, 0, 64) is True
+    assert buf.signal(2, 0, 32) is False  # task not registered yet: buffered
     assert buf.pending_count == 1
     clock.advance(2.5)
-    assert buf.register(2, need_tokens=32) == ReadySignal(2, 0, 32, 2.5)
+    assert buf.register(2, need_tokens=32) == 32  # the recovered signal's tokens: its send starts now
     assert buf.pending_count == 0
     buf.finish(2)
     assert buf.register(2, need_tokens=32) is None  # nothing recovered twice
@@ -115,15 +120,15 @@ def test_registered_slot_is_ready_at_once_and_early_signal_is_recovered_exactly_
 
 def test_other_layers_only_update_progress_in_the_order_it_is_compared(env):
     buf, registry, _, _ = env
-    assert buf.signal(5, 3, 16) is None  # unregistered, not layer 0: ignored, never buffered
+    assert buf.signal(5, 3, 16) is False  # unregistered, not layer 0: ignored, never buffered
     assert buf.pending_count == 0
     buf.register(5, 100)
     assert buf.progress(5) is None
-    assert buf.signal(5, 3, 16) is None
+    assert buf.signal(5, 3, 16) is False
     assert buf.progress(5) == Progress(tokens=16, layer=3)
     buf.signal(5, 1, 16)  # an older layer arriving late does not move progress back
     assert buf.progress(5) == Progress(16, 3)
-    assert buf.signal(5, 0, 48) == ReadySignal(5, 0, 48, 0.0)  # the next chunk: more tokens, layer 0
+    assert buf.signal(5, 0, 48) is True  # the next chunk: more tokens, layer 0
     assert buf.progress(5) == Progress(48, 0)
     buf.signal(5, 0, 40)  # an older chunk's layer0 signal is still sent, but is not progress
     assert buf.progress(5) == Progress(48, 0)
@@ -141,7 +146,8 @@ def test_repeated_early_signals_keep_the_largest_cumulative_count(env):
     buf.signal(7, 0, 96)  # older, smaller count arriving out of order
     assert buf.pending_count == 1
     clock.advance(1)
-    assert buf.register(7, 128) == ReadySignal(7, 0, 128, 2.0)  # age counts from the first signal
+    assert buf.register(7, 128) == 128
+    assert waited(registry) == 2.0  # age counts from the first signal
     assert buf.progress(7) == Progress(128, 0)
     assert outcome_count(registry, "buffered") == 1
     assert outcome_count(registry, "recovered") == 1
@@ -156,7 +162,7 @@ def test_stale_signal_is_dropped_counted_and_logged_without_touching_other_slots
     assert buf.progress(1) is None  # the dropped signal is not progress of the new task
     assert outcome_count(registry, "dropped_invalid") == 1
     assert buf.pending_count == 1  # slot 2 untouched
-    assert buf.register(2, need_tokens=20) == ReadySignal(2, 0, 20, 0.5)
+    assert buf.register(2, need_tokens=20) == 20
     dropped = [r for r in logger.records if r[1] == sc.EVENT_SIGNAL_DROPPED]
     assert dropped == [(
         "warning", sc.EVENT_SIGNAL_DROPPED,
@@ -168,7 +174,7 @@ def test_stale_signal_is_dropped_counted_and_logged_without_touching_other_slots
         sc.ATTR_SLOT: 2, sc.ATTR_TOKENS: 20, sc.ATTR_NEED_TOKENS: 20, sc.ATTR_OUTCOME: "recovered",
         ATTR_WAITED_S: 0.5})]
     # a live slot's signal that claims more than its task needs is invalid too
-    assert buf.signal(2, 0, 21) is None
+    assert buf.signal(2, 0, 21) is False
     assert outcome_count(registry, "dropped_invalid") == 2
 
 
@@ -193,7 +199,7 @@ def test_registering_a_live_slot_is_an_error_that_changes_nothing(env):
     with pytest.raises(ValueError, match="slot 3 is already registered"):
         buf.register(3, 99)
     assert buf.progress(3) == Progress(4, 0)
-    assert buf.signal(3, 0, 11) is None  # the first task's need (10) still holds
+    assert buf.signal(3, 0, 11) is False  # the first task's need (10) still holds
     buf.finish(3)
     buf.register(3, 10)
     assert outcome_count(registry, "refused") == 0
@@ -224,11 +230,11 @@ def test_expiry_is_lazy_on_every_call_that_touches_pending_signals(env):
     buf.signal(2, 0, 1)
     clock.advance(5)  # slot 1 is 11 s old, slot 2 is 5 s old
     buf.register(9, 1)  # nothing pending for slot 9: no clock read, no sweep
-    assert buf.signal(9, 0, 1) is not None
+    assert buf.signal(9, 0, 1) is True
     assert buf.pending_count == 2
     assert buf.register(1, 1) is None  # touches slot 1's signal: the sweep comes first, so it is not recovered
     assert buf.pending_count == 1 and outcome_count(registry, "expired") == 1
-    assert buf.register(2, 1) == ReadySignal(2, 0, 1, 5.0)
+    assert buf.register(2, 1) == 1 and waited(registry) == 5.0
     buf.signal(3, 0, 1)
     clock.advance(10.5)
     buf.signal(4, 0, 1)  # a new buffered signal sweeps too
@@ -249,7 +255,7 @@ def test_overflow_drops_the_oldest_with_its_age_and_memory_is_bounded(env):
     # the first eviction is logged with the evicted signal's own age (slot 0, buffered 4 signals earlier)
     assert evicted == [{sc.ATTR_SLOT: 0, sc.ATTR_TOKENS: 0, sc.ATTR_OUTCOME: "overflow", ATTR_WAITED_S: 1.0}]
     assert buf.register(5, 100) is None  # among the six oldest: dropped
-    assert buf.register(6, 100) == ReadySignal(6, 0, 6, 1.0)
+    assert buf.register(6, 100) == 6 and waited(registry) == 1.0
 
 
 def test_oldest_age_gauge_is_fresh_at_scrape_time(env):
@@ -301,8 +307,9 @@ def test_negative_values_are_clear_errors():
 
 def test_numpy_and_torch_values_are_read_as_python_ints():
     buf = EarlySignalBuffer()
-    assert buf.signal(np.int64(2), np.int32(0), torch.tensor(9)) is None
-    assert buf.register(torch.tensor(2), np.int64(9)) == ReadySignal(2, 0, 9, pytest.approx(0, abs=1))
+    assert buf.signal(np.int64(2), np.int32(0), torch.tensor(9)) is False
+    tokens = buf.register(torch.tensor(2), np.int64(9))
+    assert tokens == 9 and type(tokens) is int
     ready = buf.signal_batch(0, torch.tensor([2, 3, 4]), np.array([5, 11, 12]), count=torch.tensor(2))
     assert [(s.slot, s.tokens) for s in ready] == [(2, 5)]
     assert all(type(s.slot) is int and type(s.tokens) is int for s in ready)
@@ -366,14 +373,16 @@ class Boom:
         raise RuntimeError("telemetry is broken")
 
 
-def recover_after(buf: EarlySignalBuffer, clock: FakeClock, waits: list[float]) -> list[float]:
+def recover_after(metrics: EngineMetrics, clock: FakeClock, waits: list[float]) -> list[float]:
     """Buffer then recover one signal per wait; the waits as the buffer measured them."""
-    measured = []
+    recovered: list[ReadySignal] = []
+    buf = EarlySignalBuffer(metrics=metrics, clock=clock, on_recovered=recovered.append)
     for slot, wait in enumerate(waits):
         buf.signal(slot, 0, 1)
         clock.advance(wait)
-        measured.append(buf.register(slot, 1).buffered_s)
-    return measured
+        assert buf.register(slot, 1) is None  # handed to on_recovered instead
+    assert [s.slot for s in recovered] == list(range(len(waits)))
+    return [s.buffered_s for s in recovered]
 
 
 @pytest.mark.parametrize("kind", ["kvobs cell", "prometheus_client child (multiprocess mode)"])
@@ -393,7 +402,7 @@ def test_recovered_waits_reach_the_histogram_in_one_batch_as_observe_would_put_t
     observed: list[float] = []
     metrics.signal_buffered.observe = observed.append  # any observe() call would land here
     clock = FakeClock()
-    waits = recover_after(EarlySignalBuffer(metrics=metrics, clock=clock), clock, [0.25, 0.0001, 0.3, 0.3, 7.0])
+    waits = recover_after(metrics, clock, [0.25, 0.0001, 0.3, 0.3, 7.0])
     generate_latest(kvobs_registry)  # the scrape that flushes the buffer's tally
     text = generate_latest(registry).decode()
     assert observed == []  # one batch, not one observe() per value
@@ -423,7 +432,7 @@ def test_a_histogram_child_of_another_shape_gets_one_observe_per_wait():
 
     metrics.signal_buffered = Histogram()
     clock = FakeClock()
-    waits = recover_after(EarlySignalBuffer(metrics=metrics, clock=clock), clock, [0.5, 0.0, 2.0])
+    waits = recover_after(metrics, clock, [0.5, 0.0, 2.0])
     generate_latest(registry)
     assert metrics.signal_buffered.values == waits
 
@@ -433,10 +442,10 @@ def test_a_raising_metric_child_or_logger_changes_no_decision_and_is_counted():
     metrics.signals = {o: Boom() for o in sc.SIGNAL_OUTCOMES}
     metrics.signal_buffered = Boom()
     buf = EarlySignalBuffer(metrics=metrics, logger=Boom(), clock=FakeClock(), log_level="debug")
-    assert buf.signal(1, 0, 5) is None
+    assert buf.signal(1, 0, 5) is False
     assert buf.register(1, 4) is None  # stale: dropped and logged (the logger raises)
     buf.signal(2, 0, 5)
-    assert buf.register(2, 5) == ReadySignal(2, 0, 5, 0.0)  # recovered and logged at debug (raises)
+    assert buf.register(2, 5) == 5  # recovered and logged at debug (raises)
     assert buf.registered_slots() == frozenset({1, 2}) and buf.pending_count == 0
     generate_latest(registry)  # the scrape flushes: every outcome counted (buffered, dropped_invalid,
     assert telemetry_errors(registry, "metrics") == 4  # recovered) and the histogram fail, one error each
@@ -558,6 +567,7 @@ class SignalModel(RuleBasedStateMachine):
         self.pending: dict[int, list[float]] = {}  # slot -> [tokens, since], oldest first
         self.counts: Counter[str] = Counter()
         self.invalid_from_pending = 0
+        self.waits: list[float] = []  # of the recovered signals
         self.swept = True
 
     def sweep(self) -> int:
@@ -571,15 +581,15 @@ class SignalModel(RuleBasedStateMachine):
         self.swept = True
         return expired
 
-    def model_signal(self, slot: int, layer: int, tokens: int) -> ReadySignal | None:
+    def model_signal(self, slot: int, layer: int, tokens: int) -> bool:
         if slot in self.live:
             if layer == 0 and tokens > self.live[slot]:
                 self.counts["dropped_invalid"] += 1
-                return None
+                return False
             self.progress[slot] = max(self.progress.get(slot, (-1, -1)), (tokens, layer))
             if layer == 0:
                 self.counts["ready"] += 1
-                return ReadySignal(slot, 0, tokens, 0.0)
+                return True
         elif layer == 0 and slot in self.pending:
             self.pending[slot][0] = max(self.pending[slot][0], tokens)
         elif layer == 0:
@@ -589,15 +599,15 @@ class SignalModel(RuleBasedStateMachine):
                 self.counts["overflow"] += 1
             self.pending[slot] = [tokens, self.clock.now]
             self.counts["buffered"] += 1
-        return None
+        return False
 
     @rule(slot=SLOTS, layer=st.integers(0, 2), tokens=TOKENS)
     def signal(self, slot, layer, tokens):
-        assert self.buf.signal(slot, layer, tokens) == self.model_signal(slot, layer, tokens)
+        assert self.buf.signal(slot, layer, tokens) is self.model_signal(slot, layer, tokens)
 
     @rule(layer=st.integers(0, 1), batch=st.lists(st.tuples(SLOTS, TOKENS), max_size=4))
     def signal_batch(self, layer, batch):
-        expected = [r for s, t in batch if (r := self.model_signal(s, layer, t)) is not None]
+        expected = [ReadySignal(s, 0, t, 0.0) for s, t in batch if self.model_signal(s, layer, t)]
         assert self.buf.signal_batch(layer, [s for s, _ in batch], [t for _, t in batch]) == expected
 
     @rule(slot=SLOTS, need=TOKENS)
@@ -623,7 +633,8 @@ class SignalModel(RuleBasedStateMachine):
             else:
                 self.counts["recovered"] += 1
                 self.progress[slot] = (tokens, 0)
-                expected = ReadySignal(slot, 0, tokens, self.clock.now - since)
+                expected = tokens
+                self.waits.append(self.clock.now - since)
         assert self.buf.register(slot, need) == expected
 
     @rule(slot=SLOTS)
@@ -653,6 +664,10 @@ class SignalModel(RuleBasedStateMachine):
         real = {s.labels["outcome"]: s.value for m in self.families.signals.collect() for s in m.samples
                 if s.name == sc.SIGNALS_TOTAL and s.labels["engine"] == ENGINE}
         assert real == {o: float(self.counts[o]) for o in sc.SIGNAL_OUTCOMES}
+        (histogram,) = self.families.signal_buffered.collect()
+        observed = {s.name: s.value for s in histogram.samples if s.labels.get("engine") == ENGINE}
+        assert observed.get(sc.SIGNAL_BUFFERED_SECONDS + "_count", 0.0) == len(self.waits)
+        assert observed.get(sc.SIGNAL_BUFFERED_SECONDS + "_sum", 0.0) == pytest.approx(sum(self.waits))
         assert self.buf.pending_count == len(self.pending) <= MAX_PENDING
         assert self.buf.registered_slots() == frozenset(self.live)
         for slot in self.live:
@@ -712,21 +727,22 @@ def test_threads_hammering_keep_every_invariant_and_scrapes_see_exact_counts():
                 batch = rng.sample(range(slots), 4)
                 out.extend(buf.signal_batch(0, batch, [next(tokens) for _ in batch]))
             else:
-                sig = buf.signal(rng.randrange(slots), 0 if i % 4 else 2, next(tokens))
-                if sig is not None:
-                    out.append(sig)
+                slot, slot_tokens = rng.randrange(slots), next(tokens)
+                if buf.signal(slot, 0 if i % 4 else 2, slot_tokens):
+                    out.append(ReadySignal(slot, 0, slot_tokens, 0.0))
 
     def registerer():
         rng, out = random.Random(2), released[1]
         for i in range(per_thread):
             if i % 16 == 0:
                 time.sleep(0)
+            slot = rng.randrange(slots)
             try:
-                sig = buf.register(rng.randrange(slots), need_tokens=10**12)
+                recovered = buf.register(slot, need_tokens=10**12)
             except ValueError:
                 continue
-            if sig is not None:
-                out.append(sig)
+            if recovered is not None:
+                out.append(ReadySignal(slot, 0, recovered, 0.0))
 
     def finisher():
         rng = random.Random(3)

@@ -24,7 +24,7 @@ from prometheus_client import generate_latest
 from test_signals import ENGINE, FakeClock, RecordingLogger, counts, make_metrics, outcome_count
 
 from kvobs import semconv as sc
-from kvobs.signals import EarlySignalBuffer, ReadySignal, SignalBufferFull, StepAlignedSignalBuffer
+from kvobs.signals import EarlySignalBuffer, SignalBufferFull, StepAlignedSignalBuffer
 from kvobs.signals.reporting import LOG_INTERVAL_S
 from kvobs.telemetry.ratelimit import SUPPRESSED_FIELD
 
@@ -44,7 +44,7 @@ def test_register_without_finish_is_bounded_refused_clearly_and_loses_nothing():
     assert buf.registered_slots() == frozenset(range(8)) and buf.pending_count == 1  # nothing changed
     assert outcome_count(registry, "refused") == 1
     buf.finish(0)
-    assert buf.register(100, 10) == ReadySignal(100, 0, 7, 0.0)  # the kept signal is recovered once room exists
+    assert buf.register(100, 10) == 7  # the kept signal is recovered once room exists
 
 
 def test_a_flood_of_registrations_keeps_memory_flat():

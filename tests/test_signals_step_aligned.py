@@ -70,15 +70,17 @@ def run_immediate(steps: list[list[tuple]], seed: int) -> list[list[list[tuple]]
         buf = EarlySignalBuffer(max_pending=5)
         per_step = []
         for events in steps:
-            released: list[ReadySignal | None] = []
+            released: list[tuple] = []  # (slot, layer, tokens) of each send started
             for event in interleave(events, rng):
                 if event[0] == "S":
-                    released.append(buf.signal(event[1], *event[2:]))
+                    if buf.signal(*event[1:]):
+                        released.append((event[1], 0, event[3]))
                 elif event[0] == "R":
-                    released.append(buf.register(event[1], event[2]))
+                    if (tokens := buf.register(event[1], event[2])) is not None:
+                        released.append((event[1], 0, tokens))
                 else:
                     buf.finish(event[1])
-            per_step.append([(s.slot, s.layer, s.tokens) for s in released if s is not None])
+            per_step.append(released)
         results.append(per_step)
     return results
 
@@ -341,8 +343,10 @@ class StepAlignedAgainstImmediate(RuleBasedStateMachine):
         self.step_clock, self.clock = FakeClock(0.0), FakeClock(0.0)
         self.buf = StepAlignedSignalBuffer(metrics=metrics, clock=self.step_clock, ttl_steps=TTL_STEPS,
                                            max_pending=MAX_PENDING, max_slots=MAX_SLOTS)
+        self.recovered: list[ReadySignal] = []  # the reference's recoveries, with their waits
         self.reference = EarlySignalBuffer(metrics=reference_metrics, clock=self.clock, ttl_s=TTL_STEPS,
-                                           max_pending=MAX_PENDING, max_slots=MAX_SLOTS)
+                                           max_pending=MAX_PENDING, max_slots=MAX_SLOTS,
+                                           on_recovered=self.recovered.append)
         self.calls: list[tuple[int, int | None]] = []  # this step's registrations (need) and finishes (None)
         self.signals: dict[int, list[int]] = {}  # slot -> [layer0 tokens, furthest (tokens, layer) of layers > 0]
         self.refused_when_recorded = 0  # calls beyond the step record: refused by the step buffer alone
@@ -401,23 +405,24 @@ class StepAlignedAgainstImmediate(RuleBasedStateMachine):
         self.step_clock.advance(1.0)
         self.clock.advance(1.0)
         batch = self.buf.end_step()
-        ref, expected = self.reference, []
+        ref = self.reference
         ref.expire()
         for slot, need in sorted(self.calls, key=lambda call: call[0]):  # stable: arrival order within a slot
             if need is None:
                 ref.finish(slot)
             else:
                 try:
-                    expected.append(ref.register(slot, need))
+                    assert ref.register(slot, need) is None  # a recovery goes to self.recovered
                 except SignalBufferFull:
                     pass
+        expected, self.recovered[:] = list(self.recovered), []
         for slot in sorted(self.staged):
             layer0, (tokens, layer) = self.signals[slot]
             if layer > 0:
                 ref.signal(slot, layer, tokens)
-            if layer0 >= 0:
-                expected.append(ref.signal(slot, 0, layer0))
-        assert batch == [sig for sig in expected if sig is not None]
+            if layer0 >= 0 and ref.signal(slot, 0, layer0):
+                expected.append(ReadySignal(slot, 0, layer0, 0.0))
+        assert batch == expected
         self.calls, self.signals, self.staged = [], {}, set()
         step, immediate = counts(self.registry, "step"), counts(self.reference_registry, "immediate")
         immediate["refused"] += self.refused_when_recorded

@@ -27,7 +27,6 @@ from __future__ import annotations
 import math
 import threading
 import weakref
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -35,31 +34,34 @@ from kvobs import semconv as sc
 from kvobs.forks import renewed_after_fork
 from kvobs.signals.inputs import as_int
 from kvobs.signals.records import (
+    KEPT_TOKENS,
+    LAYER,
+    NEED,
+    SINCE,
+    TOKENS,
+    WALL,
     Decision,
-    Pending,
     Progress,
     ReadySignal,
     decision,
+    ready_signal,
 )
-from kvobs.signals.reporting import FLUSH_AT, SignalReporter
+from kvobs.signals.reporting import (
+    BUFFERED,
+    EXPIRED,
+    FINISHED,
+    FLUSH_AT,
+    INVALID,
+    OVERFLOW,
+    READY,
+    REFUSED,
+    SignalReporter,
+)
 from kvobs.telemetry.engine_metrics import EngineMetrics
 from kvobs.telemetry.failures import STAGE_METRICS
 
 DEFAULT_MAX_SLOTS = 16384
-
-_READY, _BUFFERED, _RECOVERED = sc.SIGNAL_READY, sc.SIGNAL_BUFFERED, sc.SIGNAL_RECOVERED
-_INVALID, _FINISHED, _EXPIRED = sc.SIGNAL_DROPPED_INVALID, sc.SIGNAL_DROPPED_FINISHED, sc.SIGNAL_EXPIRED
-_OVERFLOW, _REFUSED = sc.SIGNAL_OVERFLOW, sc.SIGNAL_REFUSED
-_new = tuple.__new__  # ReadySignal(...) without the generated __new__'s argument handling: the hot path
-
-
-class _Task:
-    """A registered slot: what its task needs, and the furthest (tokens, layer) signalled for it."""
-
-    __slots__ = ("need", "tokens", "layer")
-
-    def __init__(self, need: int, tokens: int, layer: int) -> None:
-        self.need, self.tokens, self.layer = need, tokens, layer
+EXPIRY_DUE = -math.inf  # `_expire_at` while nothing is pending: the next signal buffered takes the general path
 
 
 class SignalBufferCore:
@@ -81,9 +83,14 @@ class SignalBufferCore:
         self._ttl = ttl
         self._max_pending = max_pending
         self._max_slots = max_slots
-        self._live: dict[int, _Task] = {}
-        self._pending: OrderedDict[int, Pending] = OrderedDict()  # oldest first: entries are never moved
-        self._expire_at = math.inf  # nothing pending expires before this: one compare decides a lazy sweep
+        self._live: dict[int, list[int]] = {}  # slot -> task: see kvobs.signals.records
+        # slot -> (tokens, since, wall), oldest first: entries are never moved. A plain dict (an OrderedDict
+        # costs a tenth of the baseline more per insert and delete); see _evict_oldest_locked for its front.
+        self._pending: dict[int, tuple[int, float, float]] = {}
+        self._evicted = 0  # entries evicted since the pending dict was last compacted
+        # nothing pending expires before this: one compare decides a lazy sweep. Whenever nothing is pending it
+        # is at most (next signal's time + ttl), so a signal buffered without the general path is never late.
+        self._expire_at = EXPIRY_DUE
         self._reporter = SignalReporter(self._lock, metrics, logger, log_level, clock)
         self._describe_recoveries = self._reporter.describes(sc.SIGNAL_RECOVERED)
         self._tally = self._reporter.tally
@@ -120,7 +127,7 @@ class SignalBufferCore:
     def oldest_pending_age(self) -> float:
         """Seconds the oldest pending signal has waited; 0.0 when none. Read at scrape time."""
         with self._lock:
-            wall = next(iter(self._pending.values())).wall if self._pending else None
+            wall = next(iter(self._pending.values()))[WALL] if self._pending else None
         return 0.0 if wall is None else max(0.0, self._clock() - wall)
 
     def registered_slots(self) -> frozenset[int]:
@@ -132,74 +139,98 @@ class SignalBufferCore:
         """The furthest (tokens, layer) signalled for live `slot`; None if unregistered or no signal yet."""
         with self._lock:
             task = self._live.get(slot)
-            if task is None or task.tokens < 0:
+            if task is None or task[TOKENS] < 0:
                 return None
-            return Progress(task.tokens, task.layer)
+            return Progress(task[TOKENS], task[LAYER])
 
     # -- decisions, under self._lock ---------------------------------------------------------------------------
 
-    def _signal_locked(self, slot: int, layer: int, tokens: int, out: list[Decision]) -> ReadySignal | None:
+    def _signal_locked(self, slot: int, layer: int, tokens: int, out: list[Decision]) -> bool:
+        """Whether the send of `slot` starts now."""
         task = self._live.get(slot)
         if task is not None:
             if layer:
-                if tokens > task.tokens or (tokens == task.tokens and layer > task.layer):
-                    task.tokens, task.layer = tokens, layer
-                return None
-            if tokens > task.need:
-                self._counts[_INVALID] += 1
-                out.append(decision(_INVALID, slot, tokens, task.need, 0.0))
-                return None
-            if tokens > task.tokens:
-                task.tokens, task.layer = tokens, 0
-            self._counts[_READY] += 1
-            return _new(ReadySignal, (slot, 0, tokens, 0.0))
-        if layer:
-            return None
+                if tokens > task[TOKENS] or (tokens == task[TOKENS] and layer > task[LAYER]):
+                    task[TOKENS], task[LAYER] = tokens, layer
+                return False
+            if tokens > task[NEED]:
+                self._counts[INVALID] += 1
+                out.append(decision(sc.SIGNAL_DROPPED_INVALID, slot, tokens, task[NEED], 0.0))
+                return False
+            if tokens > task[TOKENS]:
+                task[TOKENS], task[LAYER] = tokens, 0
+            self._counts[READY] += 1
+            return True
+        if not layer:
+            self._buffer_locked(slot, tokens, out)
+        return False
+
+    def _buffer_locked(self, slot: int, tokens: int, out: list[Decision]) -> None:
+        """Keep an early layer0 signal of an unregistered slot; a repeat raises the kept count."""
         pending = self._pending
         entry = pending.get(slot)
         if entry is not None:
-            if tokens > entry.tokens:
-                entry.tokens = tokens
-            return None
+            if tokens > entry[KEPT_TOKENS]:
+                pending[slot] = (tokens, entry[SINCE], entry[WALL])
+            return
         now, wall = self._now_locked(out)
         if len(pending) >= self._max_pending:
-            evicted_slot, evicted = pending.popitem(last=False)
-            self._counts[_OVERFLOW] += 1
-            out.append(decision(_OVERFLOW, evicted_slot, evicted.tokens, None, wall - evicted.wall))
+            self._evict_oldest_locked(wall, out)
         if not pending:
             self._expire_at = now + self._ttl
-        pending[slot] = Pending(tokens, now, wall)
-        self._counts[_BUFFERED] += 1
-        return None
+        pending[slot] = (tokens, now, wall)
+        self._counts[BUFFERED] += 1
+
+    def _evict_oldest_locked(self, wall: float, out: list[Decision]) -> None:
+        """Overflow: the oldest pending signal makes room.
+
+        A dict keeps a deleted entry's place until it grows again, and finding the oldest walks past those
+        places, so a flood that evicts at every call would walk further and further; compacting the dict
+        once per len/8 + 64 evictions keeps the walk and the copying each a bounded cost per eviction.
+        """
+        pending = self._pending
+        slot = next(iter(pending))
+        entry = pending.pop(slot)
+        self._counts[OVERFLOW] += 1
+        out.append(decision(sc.SIGNAL_OVERFLOW, slot, entry[KEPT_TOKENS], None, wall - entry[WALL]))
+        self._evicted += 1
+        if self._evicted > len(pending) // 8 + 64:
+            self._evicted = 0
+            kept = list(pending.items())
+            pending.clear()
+            pending.update(kept)
 
     def _refuse_locked(self, slot: int, need: int, out: list[Decision]) -> None:
         """A registration while `max_slots` tasks are live: counted, described, nothing changed."""
-        self._counts[_REFUSED] += 1
-        out.append(decision(_REFUSED, slot, None, need, 0.0))
+        self._counts[REFUSED] += 1
+        out.append(decision(sc.SIGNAL_REFUSED, slot, None, need, 0.0))
 
     def _register_locked(self, slot: int, need: int, out: list[Decision]) -> ReadySignal | None:
         """Register `slot` (not live, room checked) and recover its pending signal, if it can belong to it."""
         if slot not in self._pending:
-            self._live[slot] = _Task(need, -1, -1)
+            self._live[slot] = [need, -1, -1]
             return None
         _, wall = self._now_locked(out)  # expires what is due first: an expired signal is never recovered
         entry = self._pending.pop(slot, None)
-        if entry is None or entry.tokens > need:
-            self._live[slot] = _Task(need, -1, -1)
+        if entry is None or entry[KEPT_TOKENS] > need:
+            self._live[slot] = [need, -1, -1]
             if entry is not None:
-                self._counts[_INVALID] += 1
-                out.append(decision(_INVALID, slot, entry.tokens, need, wall - entry.wall))
+                self._counts[INVALID] += 1
+                out.append(decision(sc.SIGNAL_DROPPED_INVALID, slot, entry[KEPT_TOKENS], need, wall - entry[WALL]))
             return None
-        tokens, waited = entry.tokens, wall - entry.wall
-        self._live[slot] = _Task(need, tokens, 0)
-        self._counts[_RECOVERED] += 1
+        tokens, waited = entry[KEPT_TOKENS], wall - entry[WALL]
+        self._live[slot] = [need, tokens, 0]
+        self._note_recovery_locked(waited)
+        if self._describe_recoveries:
+            out.append(decision(sc.SIGNAL_RECOVERED, slot, tokens, need, waited))
+        return ready_signal(slot, tokens, waited)
+
+    def _note_recovery_locked(self, waited: float) -> None:
+        """Count a recovery by noting its wait (see Tally); a full list of waits goes to the metrics now."""
         waits = self._waits
         waits.append(waited)
         if len(waits) >= FLUSH_AT:
             self._tally.flush_locked()
-        if self._describe_recoveries:
-            out.append(decision(_RECOVERED, slot, tokens, need, waited))
-        return _new(ReadySignal, (slot, 0, tokens, waited))
 
     def _finish_locked(self, slot: int, out: list[Decision]) -> None:
         task = self._live.pop(slot, None)
@@ -207,22 +238,24 @@ class SignalBufferCore:
             _, wall = self._now_locked(out)
             entry = self._pending.pop(slot, None)
             if entry is not None:
-                self._counts[_FINISHED] += 1
-                out.append(decision(_FINISHED, slot, entry.tokens, None if task is None else task.need,
-                                    wall - entry.wall))
+                self._counts[FINISHED] += 1
+                out.append(decision(sc.SIGNAL_DROPPED_FINISHED, slot, entry[KEPT_TOKENS],
+                                    None if task is None else task[NEED], wall - entry[WALL]))
 
     def _expire_locked(self, now: float, wall: float, out: list[Decision]) -> None:
+        """Drop the pending signals older than the TTL: the oldest ones, found in one walk from the front."""
         pending, ttl = self._pending, self._ttl
-        while pending:
-            slot = next(iter(pending))
-            entry = pending[slot]
-            if now <= entry.since + ttl:
-                self._expire_at = entry.since + ttl
-                return
+        expired = []
+        self._expire_at = EXPIRY_DUE
+        for slot, entry in pending.items():
+            if now <= entry[SINCE] + ttl:
+                self._expire_at = entry[SINCE] + ttl
+                break
+            expired.append(slot)
+            out.append(decision(sc.SIGNAL_EXPIRED, slot, entry[KEPT_TOKENS], None, wall - entry[WALL]))
+        for slot in expired:
             del pending[slot]
-            self._counts[_EXPIRED] += 1
-            out.append(decision(_EXPIRED, slot, entry.tokens, None, wall - entry.wall))
-        self._expire_at = math.inf
+        self._counts[EXPIRED] += len(expired)
 
 
 _renewed_after_fork = renewed_after_fork(SignalBufferCore._after_fork_in_child)

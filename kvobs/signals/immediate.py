@@ -20,7 +20,8 @@ from typing import Any
 from kvobs.errors import SignalBufferFull
 from kvobs.signals.core import DEFAULT_MAX_SLOTS, SignalBufferCore
 from kvobs.signals.inputs import as_int, step_batch
-from kvobs.signals.records import Decision, ReadySignal
+from kvobs.signals.records import Decision, ReadySignal, ready_signal
+from kvobs.signals.reporting import BUFFERED, FLUSH_AT, READY
 from kvobs.telemetry.engine_metrics import EngineMetrics
 
 
@@ -29,8 +30,15 @@ class EarlySignalBuffer(SignalBufferCore):
 
     `ttl_s`: a pending signal older than this expires (checked lazily by every call, and by `expire()`).
     `max_pending`: signals waiting at most; one more evicts the oldest. `max_slots`: tasks registered at most;
-    one more `register()` raises SignalBufferFull. `on_recovered`: receives recovered signals instead of the
-    caller of `register()`. `log_level`: drops log at warning, recoveries at debug, when this level allows.
+    one more `register()` raises SignalBufferFull. `on_recovered`: receives recovered signals (a ReadySignal,
+    with its slot and wait) instead of the caller of `register()`. `log_level`: drops log at warning,
+    recoveries at debug, when this level allows.
+
+    Why each call has a fast path: `signal`, `register` and `finish` run per request per step inside the
+    engine's GIL. Each first tries the common outcomes that need no description (ready, progress, buffered,
+    recovered, registered, finished), inline and without building anything it does not return; anything
+    else (a drop, an expiry due, a bound reached, a recovery to describe or hand over) changes nothing there
+    and is decided again from scratch by the shared core, under the lock taken anew.
     """
 
     def __init__(
@@ -50,13 +58,47 @@ class EarlySignalBuffer(SignalBufferCore):
         super().__init__(metrics=metrics, logger=logger, ttl=ttl_s, max_pending=max_pending, max_slots=max_slots,
                          clock=clock, log_level=log_level)
         self._on_recovered = on_recovered
+        self._quiet_recoveries = on_recovered is None and not self._describe_recoveries
 
-    def signal(self, slot: int, layer: int, tokens: int) -> ReadySignal | None:
-        """Layer `layer` of `slot` holds `tokens` prompt tokens (cumulative). A ReadySignal if its send starts now."""
-        if not (type(slot) is int and type(layer) is int and type(tokens) is int and slot | layer | tokens >= 0):
+    def signal(self, slot: int, layer: int, tokens: int) -> bool:
+        """Layer `layer` of `slot` holds `tokens` prompt tokens (cumulative). True if its send starts now
+        (a layer0 signal for a registered task), with these tokens."""
+        if not (type(slot) is int and type(layer) is int and type(tokens) is int
+                and slot >= 0 and layer >= 0 and tokens >= 0):
             slot, layer, tokens = as_int(slot, "slot"), as_int(layer, "layer"), as_int(tokens, "tokens")
+        lock = self._lock
+        lock.acquire()
+        try:  # the fast path: the same decisions as SignalBufferCore._signal_locked, see the class docstring
+            live = self._live
+            if slot in live:  # `in` then `[]`: cheaper than get() where the slot is not live
+                task = live[slot]
+                if layer:
+                    if tokens > task[1] or (tokens == task[1] and layer > task[2]):  # task: [need, tokens, layer]
+                        task[1], task[2] = tokens, layer
+                    return False
+                if tokens <= task[0]:
+                    if tokens > task[1]:
+                        task[1], task[2] = tokens, 0
+                    self._counts[READY] += 1
+                    return True
+            elif layer:
+                return False
+            else:
+                pending = self._pending
+                if slot in pending:  # a repeat: the largest count wins (pending: (tokens, since, wall))
+                    entry = pending[slot]
+                    if tokens > entry[0]:
+                        pending[slot] = (tokens, entry[1], entry[2])
+                    return False
+                now = self._clock()
+                if now <= self._expire_at and len(pending) < self._max_pending:
+                    pending[slot] = (tokens, now, now)
+                    self._counts[BUFFERED] += 1
+                    return False
+        finally:
+            lock.release()
         out: list[Decision] = []
-        with self._lock:
+        with lock:
             ready = self._signal_locked(slot, layer, tokens, out)
         if out:
             self._reporter.describe(out)
@@ -64,7 +106,8 @@ class EarlySignalBuffer(SignalBufferCore):
 
     def signal_batch(self, layer: int, slots: Sequence[int] | Any, tokens: Sequence[int] | Any,
                      count: int | None = None) -> list[ReadySignal]:
-        """One model-runner step for `layer`: the first `count` slots (all when None); count -1 or 0 is empty.
+        """One model-runner step for `layer`: the first `count` slots (all when None; -1 or 0: none). The
+        signals whose send starts now, in slot order given.
 
         Every value is validated before the lock is taken, so a bad batch changes nothing.
         """
@@ -75,23 +118,49 @@ class EarlySignalBuffer(SignalBufferCore):
         ready: list[ReadySignal] = []
         with self._lock:
             for slot, slot_tokens in zip(slot_list, token_list):
-                sig = self._signal_locked(slot, layer, slot_tokens, out)
-                if sig is not None:
-                    ready.append(sig)
+                if self._signal_locked(slot, layer, slot_tokens, out):
+                    ready.append(ready_signal(slot, slot_tokens, 0.0))
         if out:
             self._reporter.describe(out)
         return ready
 
-    def register(self, slot: int, need_tokens: int) -> ReadySignal | None:
+    def register(self, slot: int, need_tokens: int) -> int | None:
         """Register the transfer task for `slot`; recover its pending signal exactly once.
 
-        The recovered signal is returned, or handed to `on_recovered` (then None is returned). An exception
-        from `on_recovered` propagates: the registration already stands, and a lost send must not be silent.
+        The recovered signal's tokens are returned (start the send with them; test `is not None`, a signal may
+        carry 0 tokens), or the signal goes to `on_recovered` (then None is returned). An exception from
+        `on_recovered` propagates: the registration already stands, and a lost send must not be silent.
         Registering a live slot raises ValueError (replacing it would orphan the first task's send); registering
         beyond `max_slots` raises SignalBufferFull. Neither changes anything.
         """
-        if not (type(slot) is int and type(need_tokens) is int and slot | need_tokens >= 0):
+        if not (type(slot) is int and type(need_tokens) is int and slot >= 0 and need_tokens >= 0):
             slot, need_tokens = as_int(slot, "slot"), as_int(need_tokens, "need_tokens")
+        lock = self._lock
+        lock.acquire()
+        try:  # the fast path: the same decisions as _registered() below, see the class docstring
+            live = self._live
+            if slot not in live and len(live) < self._max_slots:
+                pending = self._pending
+                if slot not in pending:
+                    live[slot] = [need_tokens, -1, -1]
+                    return None
+                now = self._clock()
+                entry = pending[slot]
+                tokens = entry[0]  # pending: (tokens, since, wall)
+                if now <= self._expire_at and tokens <= need_tokens and self._quiet_recoveries:
+                    del pending[slot]
+                    live[slot] = [need_tokens, tokens, 0]
+                    waits = self._waits  # the recovery is counted by noting its wait (see Tally)
+                    waits.append(now - entry[2])
+                    if len(waits) >= FLUSH_AT:
+                        self._tally.flush_locked()
+                    return tokens
+        finally:
+            lock.release()
+        return self._registered(slot, need_tokens)
+
+    def _registered(self, slot: int, need_tokens: int) -> int | None:
+        """register() for every outcome, described after the lock is released."""
         out: list[Decision] = []
         recovered = None
         duplicate = full = False
@@ -109,17 +178,27 @@ class EarlySignalBuffer(SignalBufferCore):
             raise ValueError(f"slot {slot} is already registered; finish() it before registering it again")
         if full:
             raise SignalBufferFull("max_slots", self._max_slots, "finish() every slot whose task ended")
-        if recovered is not None and self._on_recovered is not None:
+        if recovered is None:
+            return None
+        if self._on_recovered is not None:
             self._on_recovered(recovered)
             return None
-        return recovered
+        return recovered.tokens
 
     def finish(self, slot: int) -> None:
         """The task of `slot` finished or failed: unregister it and drop any signal still pending for it."""
         if not (type(slot) is int and slot >= 0):
             slot = as_int(slot, "slot")
+        lock = self._lock
+        lock.acquire()
+        try:  # the fast path: nothing pending for the slot, nothing to describe
+            if slot not in self._pending:
+                self._live.pop(slot, None)
+                return
+        finally:
+            lock.release()
         out: list[Decision] = []
-        with self._lock:
+        with lock:
             self._finish_locked(slot, out)
         if out:
             self._reporter.describe(out)

@@ -1,7 +1,8 @@
-"""The values the signal buffers hand out and the records they keep, each a small named type.
+"""The values the signal buffers hand out and the records they keep, each as cheap as its use allows.
 
-Named tuples where a value is created on the hot path: building one costs a fraction of a frozen dataclass,
-and it is still immutable and read by name.
+Named tuples where a value leaves the buffer (batches, `on_recovered`, descriptions): immutable and read by
+name. Plain tuples and lists for the records kept inside, created on the hot path: a named tuple or a slotted
+object costs about as much to build as the whole decision that creates it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,11 @@ class ReadySignal(NamedTuple):
     layer: int
     tokens: int
     buffered_s: float
+
+
+def ready_signal(slot: int, tokens: int, buffered_s: float) -> ReadySignal:
+    """ReadySignal(slot, 0, tokens, buffered_s) without the generated __new__'s argument handling."""
+    return tuple.__new__(ReadySignal, (slot, 0, tokens, buffered_s))
 
 
 class Progress(NamedTuple):
@@ -46,14 +52,9 @@ def decision(outcome: str, slot: int, tokens: int | None, need_tokens: int | Non
 
 NO_PROGRESS = Progress(-1, -1)
 
-
-class Pending:
-    """One early signal waiting for its task: `since` in decision time (seconds, or steps when step-aligned),
-    `wall` in clock seconds for ages. Repeats raise `tokens` in place."""
-
-    __slots__ = ("tokens", "since", "wall")
-
-    def __init__(self, tokens: int, since: float, wall: float) -> None:
-        self.tokens, self.since, self.wall = tokens, since, wall
-
-
+# A registered slot's task: the list [need_tokens, tokens, layer], the last two the furthest (tokens, layer)
+# signalled for it, (-1, -1) before any. A list: progress updates it in place on every signal.
+NEED, TOKENS, LAYER = 0, 1, 2
+# A pending early signal: the tuple (tokens, since, wall), `since` in decision time (seconds, or steps when
+# step-aligned), `wall` in clock seconds for ages. A repeat replaces it, keeping `since` and `wall`.
+KEPT_TOKENS, SINCE, WALL = 0, 1, 2

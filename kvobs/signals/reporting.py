@@ -37,21 +37,30 @@ LOG_INTERVAL_S = 10.0
 ATTR_WAITED_S = sc.ATTR_WAITED_S
 
 Failed = Callable[..., None]  # failed(stage, error=None): counts and logs a swallowed telemetry failure
+READY, BUFFERED, RECOVERED, INVALID, FINISHED, EXPIRED, OVERFLOW, REFUSED = (
+    sc.SIGNAL_OUTCOMES.index(o) for o in (sc.SIGNAL_READY, sc.SIGNAL_BUFFERED, sc.SIGNAL_RECOVERED,
+                                          sc.SIGNAL_DROPPED_INVALID, sc.SIGNAL_DROPPED_FINISHED, sc.SIGNAL_EXPIRED,
+                                          sc.SIGNAL_OVERFLOW, sc.SIGNAL_REFUSED))
+_NONE_COUNTED = [0] * len(sc.SIGNAL_OUTCOMES)
 _DROPS = (sc.SIGNAL_DROPPED_INVALID, sc.SIGNAL_DROPPED_FINISHED, sc.SIGNAL_EXPIRED, sc.SIGNAL_OVERFLOW,
           sc.SIGNAL_REFUSED)
 
 
 class Tally:
-    """Outcome counts and recovered waits of one buffer, changed only under that buffer's lock until flushed."""
+    """Outcome counts and recovered waits of one buffer, changed only under that buffer's lock until flushed.
+
+    `counts` is indexed by the position of each outcome in sc.SIGNAL_OUTCOMES (READY, BUFFERED, ...). A
+    recovery is counted by noting its wait: the recovered count is the number of waits noted, one step less
+    on the hot path."""
 
     __slots__ = ("counts", "waits", "_lock", "_counters", "_add_waits", "_failed")
 
     def __init__(self, lock: threading.Lock, metrics: EngineMetrics | None, failed: Failed) -> None:
-        self.counts: dict[str, int] = dict.fromkeys(sc.SIGNAL_OUTCOMES, 0)
+        self.counts: list[int] = [0] * len(sc.SIGNAL_OUTCOMES)
         self.waits: list[float] = []
         self._lock = lock
         self._failed = failed
-        self._counters = metrics.signals if metrics is not None else None
+        self._counters = [metrics.signals[o] for o in sc.SIGNAL_OUTCOMES] if metrics is not None else None
         self._add_waits = _histogram_adder(metrics.signal_buffered) if metrics is not None else None
 
     def flush(self) -> None:
@@ -61,11 +70,12 @@ class Tally:
     def flush_locked(self) -> None:
         """Move everything counted into the metric children; a child that raises loses its delta, counted."""
         counts, waits = self.counts, self.waits
+        counts[RECOVERED] += len(waits)
         if self._counters is not None:
-            for outcome, n in counts.items():
+            for counter, n in zip(self._counters, counts):
                 if n:
                     try:
-                        self._counters[outcome].inc(n)
+                        counter.inc(n)
                     except Exception as exc:  # noqa: BLE001 - telemetry never breaks the engine
                         self._failed(STAGE_METRICS, exc)
             if waits:
@@ -73,15 +83,15 @@ class Tally:
                     self._add_waits(waits)
                 except Exception as exc:  # noqa: BLE001
                     self._failed(STAGE_METRICS, exc)
-        for outcome in counts:
-            counts[outcome] = 0
-        waits.clear()
+        self._clear()
 
     def renew(self, lock: threading.Lock) -> None:
         """In a forked child: the buffer's new lock; the parent's unflushed counts are the parent's to flush."""
         self._lock = lock
-        for outcome in self.counts:
-            self.counts[outcome] = 0
+        self._clear()
+
+    def _clear(self) -> None:
+        self.counts[:] = _NONE_COUNTED
         self.waits.clear()
 
 

@@ -34,7 +34,8 @@ from kvobs import semconv as sc
 from kvobs.errors import SignalBufferFull
 from kvobs.signals.core import DEFAULT_MAX_SLOTS, SignalBufferCore
 from kvobs.signals.inputs import as_int, step_batch
-from kvobs.signals.records import NO_PROGRESS, Decision, ReadySignal, decision
+from kvobs.signals.records import NO_PROGRESS, Decision, ReadySignal, decision, ready_signal
+from kvobs.signals.reporting import OVERFLOW, REFUSED
 from kvobs.telemetry.engine_metrics import EngineMetrics
 
 _FINISH = None  # a staged finish() in a slot's list of staged calls; a registration stages its need_tokens
@@ -132,10 +133,9 @@ class StepAlignedSignalBuffer(SignalBufferCore):
                 if staged.furthest[1] > 0:
                     tokens, layer = staged.furthest
                     self._signal_locked(slot, layer, tokens, out)
-                if staged.layer0_tokens >= 0:
-                    ready = self._signal_locked(slot, 0, staged.layer0_tokens, out)
-                    if ready is not None:
-                        batch.append(ready)
+                tokens = staged.layer0_tokens
+                if tokens >= 0 and self._signal_locked(slot, 0, tokens, out):
+                    batch.append(ready_signal(slot, tokens, 0.0))
         if out:
             self._reporter.describe(out)
         return batch
@@ -154,7 +154,7 @@ class StepAlignedSignalBuffer(SignalBufferCore):
                 duplicate = True
             elif self._staged_call_count >= self._max_staged_calls:
                 full = True
-                self._counts[sc.SIGNAL_REFUSED] += 1
+                self._counts[REFUSED] += 1
                 out.append(decision(sc.SIGNAL_REFUSED, slot, None, need, 0.0))
             else:
                 self._staged_calls.setdefault(slot, []).append(need)
@@ -174,12 +174,12 @@ class StepAlignedSignalBuffer(SignalBufferCore):
             if len(self._staged_signals) >= self._max_pending:
                 highest = -self._staged_heap[0]
                 if slot > highest:
-                    self._counts[sc.SIGNAL_OVERFLOW] += 1
+                    self._counts[OVERFLOW] += 1
                     out.append(decision(sc.SIGNAL_OVERFLOW, slot, tokens, None, 0.0))
                     return
                 heapq.heappop(self._staged_heap)
                 evicted = self._staged_signals.pop(highest)
-                self._counts[sc.SIGNAL_OVERFLOW] += 1
+                self._counts[OVERFLOW] += 1
                 out.append(decision(sc.SIGNAL_OVERFLOW, highest, max(evicted.layer0_tokens, evicted.furthest[0]),
                                     None, 0.0))
             heapq.heappush(self._staged_heap, -slot)

@@ -90,7 +90,7 @@ class BufferedSignals:
         return True
 
     def layer_ready(self, event: LayerReady, registered: bool) -> bool:
-        return self.buffer.signal(event.slot, event.layer, event.tokens) is not None and registered
+        return self.buffer.signal(event.slot, event.layer, event.tokens) and registered
 
     def hung(self, slot: int) -> None:
         self.stats.add(lost_layer0_signals=1)  # buffered or never seen: it never reached the send

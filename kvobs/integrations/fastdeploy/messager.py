@@ -21,6 +21,7 @@ model-runner step (at each layer0 read), in the buffer's canonical order.
 
 from __future__ import annotations
 
+import operator
 import sys
 import threading
 from collections.abc import Callable
@@ -135,12 +136,13 @@ class SignalBridge:
         for request_id in request_ids:
             info = self.messager.cache_info.get(request_id) or {}
             try:
-                signal = self.buffer.register(info["current_id"], info["need_prefill_tokens"])
+                slot = info["current_id"]
+                tokens = self.buffer.register(slot, info["need_prefill_tokens"])
             except (KeyError, TypeError, ValueError) as exc:  # no slot known, or still live: never finished here
                 self.logger.error("kvobs.fastdeploy.register_failed", error=repr(exc), request_id=str(request_id))
                 continue
-            if signal is not None:
-                recovered.append((signal.slot, signal.tokens))
+            if tokens is not None:  # an EarlySignalBuffer recovered the slot's kept signal
+                recovered.append((operator.index(slot), tokens))
         self._queue_sends(recovered)
 
     def finished(self, request_ids: list[Any]) -> None:
