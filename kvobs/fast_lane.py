@@ -30,7 +30,6 @@ from typing import Any, Protocol
 
 from kvobs import async_wait
 from kvobs import semconv as sc
-from kvobs.active import ACTIVE
 from kvobs.atomic import CALL
 from kvobs.forks import renewed_after_fork
 from kvobs.telemetry.tracing import call_in_span
@@ -65,27 +64,27 @@ class Slot:
         self.arm = map(pending.setdefault, itertools.count(),
                        map(outcome.__getitem__, map(try_acquire, itertools.repeat(False))))
         self.drain = map(CALL, map(_SECOND, map(dict.popitem, itertools.repeat(pending))))
-        self.route: Route | None = None
+        self.route: Any = None  # the Route of the call that holds, or held last
         self.t_begin = 0.0
         self.span: Any = None  # the traced call's span, for the deadline thread to end; None between calls
 
     def holds(self) -> bool:
         return self.release in self.pending.values()
 
+    # `path` and `claim` describe the call that holds: read only through a slot that held at some point.
     @property
     def path(self) -> str:
-        return self.route.path if self.route is not None else ""
+        return self.route.path
 
     @property
     def claim(self) -> Any:
-        return self.route.whole_cache if self.route is not None else None
+        return self.route.whole_cache
 
     def expired_keys(self, now: float) -> list[int]:
         """Keys of held releases whose call is past its deadline. `pending` is read first: a call sets
         `route` and `t_begin` before it arms, so a key read here is judged by its own deadline or a later one."""
         keys = [key for key, undo in list(self.pending.items()) if undo is self.release]
-        route = self.route
-        return keys if keys and route is not None and self.t_begin + route.deadline_s <= now else []
+        return keys if keys and self.t_begin + self.route.deadline_s <= now else []
 
 
 class FastLane:
@@ -182,14 +181,13 @@ def fast_call(route: Route, lane: FastLane, func: Callable[..., Any], general: C
     local, lock, path = lane.local, route.lock, route.path
 
     def guarded(*args: Any, **kwargs: Any) -> Any:
-        """Written out flat, and in this order on purpose: see the module docstring."""
-        if ACTIVE.get():
-            return general(*args, **kwargs)
+        """Written out flat, and in this order on purpose: see the module docstring. A call under another guarded
+        call on this lock finds it busy and goes to the general path, which refuses it as re-entry."""
         try:
             slot = local.slot
         except AttributeError:
             slot = lane.new_slot()
-        if slot.pending:  # nested (a signal handler's call, say): the general path refuses it as re-entry
+        if slot.pending:  # nested in this thread's own call: leave that call's slot values alone
             return general(*args, **kwargs)
         slot.route, slot.t_begin = route, (t0 := perf_counter())
         span = None

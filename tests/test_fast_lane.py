@@ -446,10 +446,11 @@ def test_a_forked_child_takes_its_own_lane_even_when_a_parent_thread_held_the_lo
     assert os.waitstatus_to_exitcode(status) == 0
 
 
-def test_a_release_on_the_fast_lane_wakes_a_coroutine_waiting_for_the_lock(monkeypatch):
+@pytest.mark.parametrize("ending", ["returns", "abandoned"])
+def test_a_release_on_the_fast_lane_wakes_a_coroutine_waiting_for_the_lock(monkeypatch, ending):
     monkeypatch.setattr(async_wait, "_FIRST_SLEEP_S", 5.0)  # only a wake-up can be quicker than this
     monkeypatch.setattr(async_wait, "_MAX_SLEEP_S", 5.0)
-    obs = observer(lock_timeout=10.0)
+    obs = observer(lock_timeout=10.0, deadline=0.3 if ending == "abandoned" else 60)
     inside, leave = threading.Event(), threading.Event()
 
     @obs.send()
@@ -457,6 +458,7 @@ def test_a_release_on_the_fast_lane_wakes_a_coroutine_waiting_for_the_lock(monke
         inside.set()
         leave.wait(10)
 
+    started = time.monotonic()
     thread = threading.Thread(target=send)
     thread.start()
     assert inside.wait(10)
@@ -468,11 +470,15 @@ def test_a_release_on_the_fast_lane_wakes_a_coroutine_waiting_for_the_lock(monke
     async def main():
         waiter = asyncio.ensure_future(wait_for_lock())
         await asyncio.sleep(0.05)
-        released = time.monotonic()
-        leave.set()
+        if ending == "returns":
+            released = time.monotonic()
+            leave.set()
+        else:  # the deadline thread releases it, at about `deadline` after the call began
+            released = started + 0.3
         return await waiter, released
 
     acquired, released = asyncio.run(main())
+    leave.set()
     thread.join()
     assert acquired - released < 2.0
     assert lock_is_free(obs.lock)

@@ -77,6 +77,10 @@ MODULE_TESTS: dict[str, list[str]] = {
         "tests/test_lifecycle_defects.py", "tests/test_batches.py", "tests/test_faults.py",
         "tests/test_integrity_wiring.py", "tests/test_validation.py", "tests/test_trace_propagation.py",
     ],
+    "kvobs/fast_lane.py": [
+        "tests/test_fast_lane.py", "tests/test_guard.py", "tests/test_lifecycle_defects.py",
+        "tests/test_mutation_gaps_transfer.py",
+    ],
     "kvobs/guard.py": [
         "tests/test_mutation_gaps_transfer.py", "tests/test_guard.py", "tests/test_async.py",
         "tests/test_lifecycle_defects.py", "tests/test_batches.py", "tests/test_faults.py",
@@ -108,8 +112,8 @@ _ONE_TOKEN = "the end token is an iterator over one item: taking up to 2 takes t
 _CONSUMED = "the deque only consumes the undo steps and is thrown away; any maxlen runs every step"
 EQUIVALENT: dict[tuple[str, str, str, str], str] = {
     ("kvobs/atomic.py", "one_shot_release",
-     "return functools.partial(deque, map(_CALL, chain(held, (held.clear,))), 0)", "0 -> 1"): _CONSUMED,
-    ("kvobs/atomic.py", "release_now", "deque(map(_CALL, chain(held, (held.clear,))), 0)", "0 -> 1"): _CONSUMED,
+     "return functools.partial(deque, map(CALL, chain(held, (held.clear,))), 0)", "0 -> 1"): _CONSUMED,
+    ("kvobs/atomic.py", "release_now", "deque(map(CALL, chain(held, (held.clear,))), 0)", "0 -> 1"): _CONSUMED,
     ("kvobs/locks.py", "_ExclusiveLock.__enter__", "raise LockTimeout(self.name, self.timeout or 0.0)",
      "operand 2 of 'or' removed"):
         "only a timeout of 0 gets here (None waits until acquired): 0 and 0.0 compare and print the same",
@@ -123,6 +127,9 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
         "claims never get here: overlaps() answers them first)",
     ("kvobs/block_plan.py", "BlockPlanner._runs", "if block < expected:", "'<' -> '<='"):
         "only reached when block != expected",
+    ("kvobs/fast_lane.py", "Slot.expired_keys",
+     "return keys if keys and self.t_begin + self.route.deadline_s <= now else []", "'<=' -> '<'"):
+        "a deadline met to the exact float by a polling thread: '<' abandons the same call one poll later",
     ("kvobs/active.py", "<module>",
      'ACTIVE: ContextVar[tuple[Any, ...]] = ContextVar("kvobs_active_transfers", default=())',
      "'kvobs_active_transfers' -> 'XXkvobs_active_transfersXX'"): "a context variable's name only shows in its repr",
@@ -219,7 +226,7 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
     ("kvobs/transfer.py", "Transfer._after_wait", "self._release()", "statement removed"):
         "every caller of acquire() and acquire_async() releases on any exception it raises (start, __aenter__, "
         "both guard wrappers); this only releases a moment earlier",
-    ("kvobs/block_lock.py", "_undo_newest", "deque(map(_CALL, map(_POPLEFT, repeat(held, count))), 0)", "0 -> 1"):
+    ("kvobs/block_lock.py", "_undo_newest", "deque(map(CALL, map(_POPLEFT, repeat(held, count))), 0)", "0 -> 1"):
         _CONSUMED,
     ("kvobs/block_lock.py", "BlockLock._lock", "try:", "statement removed"):
         "the one-pass fast path: _wait_for_runs takes the same runs one by one (granted, waited for, or raised)",
