@@ -95,7 +95,7 @@ class OpenTransfers:
             except RuntimeError:  # changed by another thread while read: the next round looks again
                 pass
         for lane in self.lanes:
-            due_now.extend(lane.expired(self, now))
+            due_now.extend(lane.expired(now))
         return due_now
 
     def forget(self) -> None:

@@ -8,6 +8,7 @@ bytecodes, so nothing here is mocked.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import subprocess
@@ -214,7 +215,8 @@ def test_another_lock_under_a_fast_lane_call_is_no_reentry():
     assert lock_is_free(obs.lock) and lock_is_free(other.lock)
 
 
-def test_a_hung_call_is_abandoned_at_its_deadline_and_its_late_return_changes_nothing():
+@pytest.mark.parametrize("late", ["returns", "raises"])
+def test_a_hung_call_is_abandoned_at_its_deadline_and_its_late_end_changes_nothing(late):
     records = []
     obs = observer(deadline=0.2, hooks=[records.append])
     leave = threading.Event()
@@ -222,10 +224,19 @@ def test_a_hung_call_is_abandoned_at_its_deadline_and_its_late_return_changes_no
     @obs.prefetch()
     def load():
         leave.wait(10)
+        if late == "raises":
+            raise OSError("late failure")
         return "late"
 
     results = []
-    thread = threading.Thread(target=lambda: results.append(load()))
+
+    def run():
+        try:
+            results.append(load())
+        except OSError as exc:
+            results.append(exc)
+
+    thread = threading.Thread(target=run)
     thread.start()
     deadline = time.monotonic() + 5
     while not records and time.monotonic() < deadline:
@@ -235,7 +246,23 @@ def test_a_hung_call_is_abandoned_at_its_deadline_and_its_late_return_changes_no
     assert obs.open.count("prefetch") == 0
     leave.set()
     thread.join()
-    assert results == ["late"] and len(records) == 1
+    assert results == ["late"] if late == "returns" else isinstance(results[0], OSError)
+    assert len(records) == 1
+
+
+def test_a_call_within_its_deadline_is_never_abandoned_however_long_it_holds():
+    """Held past several rounds of the deadline thread (a quarter of the deadline apart), not past the
+    deadline itself."""
+    records = []
+    obs = observer(deadline=0.6, hooks=[records.append])
+
+    @obs.send()
+    def send():
+        time.sleep(0.35)
+        return "sent"
+
+    assert send() == "sent"
+    assert [r.outcome for r in records] == ["ok"]
 
 
 def test_the_deadline_thread_never_takes_a_later_calls_release():
@@ -254,7 +281,7 @@ def test_the_deadline_thread_never_takes_a_later_calls_release():
     assert inside.wait(10)
     lane = obs._routes["send"].lane
     (slot,) = [s for s in lane.slots if s.holds()]
-    stale = lane.expired(obs.open, now=time.perf_counter() + 120)
+    stale = lane.expired(now=time.perf_counter() + 120)
     leave.set()
     thread.join()
     inside.clear()
@@ -446,7 +473,7 @@ def test_a_forked_child_takes_its_own_lane_even_when_a_parent_thread_held_the_lo
     assert os.waitstatus_to_exitcode(status) == 0
 
 
-@pytest.mark.parametrize("ending", ["returns", "abandoned"])
+@pytest.mark.parametrize("ending", ["returns", "raises", "abandoned"])
 def test_a_release_on_the_fast_lane_wakes_a_coroutine_waiting_for_the_lock(monkeypatch, ending):
     monkeypatch.setattr(async_wait, "_FIRST_SLEEP_S", 5.0)  # only a wake-up can be quicker than this
     monkeypatch.setattr(async_wait, "_MAX_SLEEP_S", 5.0)
@@ -457,9 +484,15 @@ def test_a_release_on_the_fast_lane_wakes_a_coroutine_waiting_for_the_lock(monke
     def send():
         inside.set()
         leave.wait(10)
+        if ending == "raises":
+            raise OSError("send failed")
+
+    def run():
+        with contextlib.suppress(OSError):
+            send()
 
     started = time.monotonic()
-    thread = threading.Thread(target=send)
+    thread = threading.Thread(target=run)
     thread.start()
     assert inside.wait(10)
 
@@ -470,7 +503,7 @@ def test_a_release_on_the_fast_lane_wakes_a_coroutine_waiting_for_the_lock(monke
     async def main():
         waiter = asyncio.ensure_future(wait_for_lock())
         await asyncio.sleep(0.05)
-        if ending == "returns":
+        if ending != "abandoned":
             released = time.monotonic()
             leave.set()
         else:  # the deadline thread releases it, at about `deadline` after the call began
