@@ -177,8 +177,43 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
      ("sample, segments, rule, test = np.zeros(1, word), np.zeros(1, np.int64), np.ones(4, word), "
       "np.zeros(5, np.uint64)"), "1 -> 2"):
         "the warm-up call's argument sizes: any valid call resolves the same argument types",
-    ("kvobs/signals/immediate.py", "EarlySignalBuffer.finish", "if not (type(slot) is int and slot >= 0):",
-     "'>=' -> '>'"): "the plain-int fast path: as_int(0, 'slot') is 0 as well",
+    **{("kvobs/signals/immediate.py", function, line, mutation):
+       "the plain-int fast path: as_int() returns a Python int >= 0 unchanged, 0 included"
+       for function, line, mutations in (
+           ("EarlySignalBuffer.finish", "if not (type(slot) is int and slot >= 0):",
+            ("'>=' -> '>'", "0 -> 1", "condition -> True")),
+           ("EarlySignalBuffer.signal",
+            "if not (type(slot) is int and type(layer) is int and type(tokens) is int",
+            ("condition -> True",)),
+           ("EarlySignalBuffer.signal", "and slot >= 0 and layer >= 0 and tokens >= 0):", ("'>=' -> '>'", "0 -> 1")),
+           ("EarlySignalBuffer.register",
+            "if not (type(slot) is int and type(need_tokens) is int and slot >= 0 and need_tokens >= 0):",
+            ("condition -> True", "'>=' -> '>'", "0 -> 1")))
+       for mutation in mutations},
+    **{("kvobs/signals/immediate.py", function, line, mutation):
+       "a narrower fast path: the call is decided again from scratch by the shared core, with the same outcome"
+       for function, line, mutations in (
+           ("EarlySignalBuffer.signal", "if tokens <= task[0]:", ("'<=' -> '<'", "condition -> False")),
+           ("EarlySignalBuffer.signal", "if now <= self._expire_at and len(pending) < self._max_pending:",
+            ("'<=' -> '<'", "condition -> False")),
+           ("EarlySignalBuffer.register",
+            "if now <= self._expire_at and tokens <= need_tokens and self._quiet_recoveries:",
+            ("'<=' -> '<'", "condition -> False")),
+           ("EarlySignalBuffer.finish", "if slot not in self._pending:", ("condition -> False",)))
+       for mutation in mutations},
+    ("kvobs/signals/immediate.py", "EarlySignalBuffer.register", "if len(waits) >= FLUSH_AT:", "'>=' -> '>'"):
+        "a forced flush one recovery later: the noted waits stay bounded and every one still reaches the metrics",
+    **{("kvobs/signals/core.py", "SignalBufferCore._evict_oldest_locked", line, mutation):
+       "performance only: compacting rebuilds the same dict in the same order; how often it runs changes only "
+       "how far the walk to the oldest entry goes"
+       for line, mutations in (
+           ("self._evicted += 1", ("'+=' -> '-='", "statement removed", "1 -> 2")),
+           ("if self._evicted > len(pending) // 8 + 64:",
+            ("statement removed", "'>' -> '>='", "condition -> False", "condition -> True", "'+' -> '-'",
+             "'//' -> '*'", "8 -> 9", "64 -> 65")),
+           ("self._evicted = 0", ("statement removed", "0 -> 1")),
+           ("pending.clear()", ("statement removed",)))
+       for mutation in mutations},
     ("kvobs/signals/reporting.py", "SignalReporter.__init__",
      "self._log = None if logger is None else RateLimitedLog(", "condition -> False"):
         "without a logger describe() finds no log level, so the rate-limited log is never used",
