@@ -38,7 +38,9 @@ class EarlySignalBuffer(SignalBufferCore):
     engine's GIL. Each first tries the common outcomes that need no description (ready, progress, buffered,
     recovered, registered, finished), inline and without building anything it does not return; anything
     else (a drop, an expiry due, a bound reached, a recovery to describe or hand over) changes nothing there
-    and is decided again from scratch by the shared core, under the lock taken anew.
+    and is decided again from scratch by the shared core, under the lock taken anew. The lock is taken with
+    `with`, never acquire() then try: an asynchronous exception (Ctrl-C) raised as acquire() returns would
+    leave it held.
     """
 
     def __init__(
@@ -67,8 +69,7 @@ class EarlySignalBuffer(SignalBufferCore):
                 and slot >= 0 and layer >= 0 and tokens >= 0):
             slot, layer, tokens = as_int(slot, "slot"), as_int(layer, "layer"), as_int(tokens, "tokens")
         lock = self._lock
-        lock.acquire()
-        try:  # the fast path: the same decisions as SignalBufferCore._signal_locked, see the class docstring
+        with lock:  # the fast path: the same decisions as SignalBufferCore._signal_locked, see the class docstring
             live = self._live
             if slot in live:  # `in` then `[]`: cheaper than get() where the slot is not live
                 task = live[slot]
@@ -95,8 +96,6 @@ class EarlySignalBuffer(SignalBufferCore):
                     pending[slot] = (tokens, now, now)
                     self._counts[BUFFERED] += 1
                     return False
-        finally:
-            lock.release()
         out: list[Decision] = []
         with lock:
             ready = self._signal_locked(slot, layer, tokens, out)
@@ -135,9 +134,7 @@ class EarlySignalBuffer(SignalBufferCore):
         """
         if not (type(slot) is int and type(need_tokens) is int and slot >= 0 and need_tokens >= 0):
             slot, need_tokens = as_int(slot, "slot"), as_int(need_tokens, "need_tokens")
-        lock = self._lock
-        lock.acquire()
-        try:  # the fast path: the same decisions as _registered() below, see the class docstring
+        with self._lock:  # the fast path: the same decisions as _registered() below, see the class docstring
             live = self._live
             if slot not in live and len(live) < self._max_slots:
                 pending = self._pending
@@ -155,8 +152,6 @@ class EarlySignalBuffer(SignalBufferCore):
                     if len(waits) >= FLUSH_AT:
                         self._tally.flush_locked()
                     return tokens
-        finally:
-            lock.release()
         return self._registered(slot, need_tokens)
 
     def _registered(self, slot: int, need_tokens: int) -> int | None:
@@ -190,13 +185,10 @@ class EarlySignalBuffer(SignalBufferCore):
         if not (type(slot) is int and slot >= 0):
             slot = as_int(slot, "slot")
         lock = self._lock
-        lock.acquire()
-        try:  # the fast path: nothing pending for the slot, nothing to describe
+        with lock:  # the fast path: nothing pending for the slot, nothing to describe
             if slot not in self._pending:
                 self._live.pop(slot, None)
                 return
-        finally:
-            lock.release()
         out: list[Decision] = []
         with lock:
             self._finish_locked(slot, out)
