@@ -26,7 +26,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from kvobs import semconv as sc
-from kvobs.signals import EarlySignalBuffer, ReadySignal, SignalBufferFull, StepAlignedSignalBuffer
+from kvobs.signals import EarlySignalBuffer, SignalBufferFull, StepAlignedSignalBuffer
 from kvobs.telemetry.engine_metrics import EngineMetrics
 from kvobs.telemetry.families import MetricFamilies
 
@@ -54,18 +54,18 @@ def baseline_dict_lock(n: int, offset: int = 0, lock: Any = None) -> int:
 
 class Floor:
     """The least a Python method with signal()'s contract can cost: validate three ints, take a lock, look the
-    slot up, build the ReadySignal; no decision, no counting. Printed for reference next to the target."""
+    slot up, say whether it is ready; no decision, no counting. Printed for reference next to the target."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._live: dict[int, int] = {}
 
-    def signal(self, slot: int, layer: int, tokens: int) -> ReadySignal:
-        if not (type(slot) is int and type(layer) is int and type(tokens) is int and slot | layer | tokens >= 0):
+    def signal(self, slot: int, layer: int, tokens: int) -> bool:
+        if not (type(slot) is int and type(layer) is int and type(tokens) is int
+                and slot >= 0 and layer >= 0 and tokens >= 0):
             raise TypeError("ints >= 0 only")
         with self._lock:
-            self._live.get(slot)
-            return tuple.__new__(ReadySignal, (slot, 0, tokens, 0.0))
+            return slot in self._live
 
 
 def floor_ns(slots: int) -> int:
@@ -120,7 +120,7 @@ def single_thread(slots: int, rounds: int) -> list[tuple[str, float, float, floa
             base = baseline_dict_lock(slots) / slots
             timed = phases(buf, slots)
             if label == "metrics on":
-                timed["reference: the least a method returning a ReadySignal costs (Floor)"] = floor_ns(slots)
+                timed["reference: the least a method with signal()'s contract costs (Floor)"] = floor_ns(slots)
             for name, elapsed in timed.items():
                 ns.setdefault(name, []).append(elapsed / slots)
                 ratios.setdefault(name, []).append(elapsed / slots / base)
