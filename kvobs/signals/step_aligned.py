@@ -171,19 +171,21 @@ class StepAlignedSignalBuffer(SignalBufferCore):
         """Merge into the step's record; beyond max_pending slots keep the lowest-numbered ones (order-free)."""
         staged = self._staged_signals.get(slot)
         if staged is None:
-            if len(self._staged_signals) >= self._max_pending:
+            # Every heap entry has its record (records first, heap second, eviction the other way round), so an
+            # asynchronous exception between two steps leaves at worst a record the heap cannot evict until
+            # end_step() clears them all, never a heap entry without its record.
+            if len(self._staged_signals) >= self._max_pending and self._staged_heap:
                 highest = -self._staged_heap[0]
+                self._counts[OVERFLOW] += 1  # counted first: interrupted, a drop is over-counted, never lost
                 if slot > highest:
-                    self._counts[OVERFLOW] += 1
                     out.append(decision(sc.SIGNAL_OVERFLOW, slot, tokens, None, 0.0))
                     return
                 heapq.heappop(self._staged_heap)
                 evicted = self._staged_signals.pop(highest)
-                self._counts[OVERFLOW] += 1
                 out.append(decision(sc.SIGNAL_OVERFLOW, highest, max(evicted.layer0_tokens, evicted.furthest[0]),
                                     None, 0.0))
-            heapq.heappush(self._staged_heap, -slot)
             staged = self._staged_signals[slot] = _StagedSignals()
+            heapq.heappush(self._staged_heap, -slot)
         if layer == 0:
             if tokens > staged.layer0_tokens:
                 staged.layer0_tokens = tokens
