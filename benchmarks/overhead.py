@@ -15,10 +15,16 @@ from __future__ import annotations
 import argparse
 import threading
 from collections.abc import Callable
+from typing import Any
 
 from opentelemetry import trace as otel_trace
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.export import (
+    BatchSpanProcessor,
+    SimpleSpanProcessor,
+    SpanExporter,
+    SpanExportResult,
+)
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 from prometheus_client import CollectorRegistry, Histogram
 
@@ -36,9 +42,14 @@ class DroppingExporter(SpanExporter):
         return SpanExportResult.SUCCESS
 
 
-def sdk_provider(recording: bool) -> TracerProvider:
+def sdk_provider(recording: bool, batch: bool = True) -> TracerProvider:
+    """`batch`: the BatchSpanProcessor of a deployment (its export thread competes for the GIL and the two
+    cores, which makes the tracing ratio swing between runs); else a SimpleSpanProcessor, which does the same
+    work on the calling thread, so only the per-call cost is compared."""
     provider = TracerProvider(sampler=None if recording else ALWAYS_OFF)
-    provider.add_span_processor(BatchSpanProcessor(DroppingExporter(), max_queue_size=65536))
+    exporter = DroppingExporter()
+    provider.add_span_processor(BatchSpanProcessor(exporter, max_queue_size=65536) if batch
+                                else SimpleSpanProcessor(exporter))
     return provider
 
 
@@ -94,15 +105,6 @@ def kvobs_cases(providers: dict[str, TracerProvider]) -> dict[str, Callable[[int
     def send_batch(reqs: dict[str, list[int]]) -> None:
         return None
 
-    raw_tracer = providers["raw"].get_tracer("bench")
-    start_attrs = {sc.ATTR_ENGINE: "r", sc.ATTR_PATH: "write_back", sc.ATTR_LOCK_NAME: "thread"}
-    end_attrs = {sc.ATTR_LOCK_WAIT_S: 1e-6, sc.ATTR_LOCK_HOLD_S: 1e-6, sc.ATTR_OUTCOME: "ok", sc.ATTR_BYTES: 0}
-
-    def raw_span() -> None:
-        span = raw_tracer.start_span("kvobs.write_back", attributes=start_attrs)
-        span.set_attributes(end_attrs)
-        span.end()
-
     blocks_obs = observer("g")
     ids = [1, 2, 3, 4]
 
@@ -115,11 +117,32 @@ def kvobs_cases(providers: dict[str, TracerProvider]) -> dict[str, Callable[[int
         "kvobs metrics only, decorator naming block_ids (general lifecycle)": loop(lambda: write_blocks(ids)),
         "kvobs metrics only (obs.begin + t.complete)": loop(begin_complete),
         f"kvobs metrics only, batch of {BATCH} requests (one call)": loop(lambda: send_batch(requests)),
-        "raw SDK span with kvobs's attributes (not current)": loop(raw_span),
-        "kvobs + SDK tracing, recording": loop(decorated(observer("r", tracer_provider=providers["recording"]))),
-        "kvobs + SDK tracing, sampled off": loop(decorated(observer("s", tracer_provider=providers["off"]))),
+        **tracing_cases(providers),
         "kvobs disabled (lock and fast lane, no telemetry)": loop(decorated(observer("d", enabled=False))),
     }
+
+
+def tracing_cases(providers: dict[str, TracerProvider]) -> dict[str, Callable[[int], None]]:
+    """The raw SDK span with kvobs's attributes against a recording kvobs call, per span processor."""
+    start_attrs = {sc.ATTR_ENGINE: "r", sc.ATTR_PATH: "write_back", sc.ATTR_LOCK_NAME: "thread"}
+    end_attrs = {sc.ATTR_LOCK_WAIT_S: 1e-6, sc.ATTR_LOCK_HOLD_S: 1e-6, sc.ATTR_OUTCOME: "ok", sc.ATTR_BYTES: 0}
+
+    def raw_span(tracer: Any) -> Callable[[], None]:
+        def span_once() -> None:
+            span = tracer.start_span("kvobs.write_back", attributes=start_attrs)
+            span.set_attributes(end_attrs)
+            span.end()
+
+        return span_once
+
+    cases = {}
+    for processor in ("batch", "simple"):
+        raw = providers[f"raw {processor}"].get_tracer("bench")
+        cases[f"raw SDK span with kvobs's attributes (not current), {processor} processor"] = loop(raw_span(raw))
+        kvobs_obs = observer(f"r-{processor}", tracer_provider=providers[f"recording {processor}"])
+        cases[f"kvobs + SDK tracing, recording, {processor} processor"] = loop(decorated(kvobs_obs))
+    cases["kvobs + SDK tracing, sampled off"] = loop(decorated(observer("s", tracer_provider=providers["off"])))
+    return cases
 
 
 def targets(ns: dict[str, float]) -> list[tuple[str, float, float]]:
@@ -129,9 +152,10 @@ def targets(ns: dict[str, float]) -> list[tuple[str, float, float]]:
         ("metrics only / bare with threading.Lock()", metrics / ns["with threading.Lock()"], 3.0),
         (f"batch of {BATCH}: us per request", ns[f"kvobs metrics only, batch of {BATCH} requests (one call)"]
          / BATCH / 1000, 1.0),
-        ("recording / (raw SDK span with the same attributes + metrics only)",
-         ns["kvobs + SDK tracing, recording"] / (ns["raw SDK span with kvobs's attributes (not current)"] + metrics),
-         1.15),
+        *[(f"recording / (raw SDK span with the same attributes + metrics only), {processor} processor",
+           ns[f"kvobs + SDK tracing, recording, {processor} processor"]
+           / (ns[f"raw SDK span with kvobs's attributes (not current), {processor} processor"] + metrics), 1.15)
+          for processor in ("batch", "simple")],
     ]
 
 
@@ -140,7 +164,9 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=20000)
     parser.add_argument("--repeats", type=int, default=9)
     args = parser.parse_args()
-    providers = {"raw": sdk_provider(True), "recording": sdk_provider(True), "off": sdk_provider(False)}
+    providers = {f"{role} {processor}": sdk_provider(True, batch=processor == "batch")
+                 for role in ("raw", "recording") for processor in ("batch", "simple")}
+    providers["off"] = sdk_provider(False)
     cases = {**baselines(), **kvobs_cases(providers)}
     ns = ns_per_op(cases, args.n, args.repeats)
     for provider in providers.values():
