@@ -25,6 +25,7 @@ import operator
 import threading
 import weakref
 from collections.abc import Callable
+from inspect import isawaitable
 from time import perf_counter
 from typing import Any, Protocol
 
@@ -54,7 +55,7 @@ class Slot:
     """One thread's fast-lane call on one lock, reused call after call. `route` and `t_begin` are set before
     `arm` runs, so whoever sees a release in `pending` reads that call's values, or a later call's."""
 
-    __slots__ = ("__weakref__", "arm", "drain", "pending", "release", "route", "span", "t_begin")
+    __slots__ = ("__weakref__", "arm", "drain", "given", "pending", "release", "route", "span", "t_begin")
 
     def __init__(self, try_acquire: Callable[[bool], bool], release: Callable[[], Any]) -> None:
         pending: dict[int, Callable[[], Any]] = {}
@@ -67,6 +68,7 @@ class Slot:
         self.route: Any = None  # the Route of the call that holds, or held last
         self.t_begin = 0.0
         self.span: Any = None  # the traced call's span, for the deadline thread to end; None between calls
+        self.given: Any = None  # the call's validated values, for the record of an abandoned call
 
     def holds(self) -> bool:
         return self.release in self.pending.values()
@@ -134,7 +136,7 @@ class ExpiredCall:
         are read before the release is taken, while the call still holds, so they are that call's."""
         slot = self.slot
         route: Any = slot.route  # set before the call armed its key
-        t_begin, span = slot.t_begin, slot.span
+        t_begin, span, given = slot.t_begin, slot.span, slot.given
         undo = slot.pending.pop(self.key, None)
         if undo is None:
             return
@@ -142,7 +144,7 @@ class ExpiredCall:
         slot.span = None
         if async_wait.waiting:
             async_wait.wake_waiters(route.lock)
-        route.recorder.ended(LaneRecord(route, sc.OUTCOME_ABANDONED, t_begin, perf_counter(), span))
+        route.recorder.ended(LaneRecord(route, sc.OUTCOME_ABANDONED, t_begin, perf_counter(), span, None, given))
 
 
 class LaneRecord:
@@ -155,11 +157,13 @@ class LaneRecord:
     bad_block_ids: tuple[int, ...] = ()
 
     def __init__(self, route: Route, outcome: str, t_begin: float, t_end: float, span: Any = None,
-                 error: BaseException | None = None) -> None:
+                 error: BaseException | None = None, given: Any = None) -> None:
         self.path = route.path
         self.outcome, self.error, self.span = outcome, error, span
         self.t_begin = self.t_acquired = t_begin
         self.t_end = t_end
+        if given is not None:  # the call's validated values (`kvobs.lane_values.LaneValues`)
+            self.blocks, self.nbytes, self.request_id = given.blocks, given.nbytes, given.request_id
 
 
 def lane_for(lock: Any) -> FastLane | None:
@@ -172,23 +176,22 @@ def lane_for(lock: Any) -> FastLane | None:
     return lane
 
 
-def fast_call(route: Route, lane: FastLane, func: Callable[..., Any], general: Callable[..., Any]
-              ) -> Callable[..., Any]:
-    """`func` guarded through the fast lane, handing every call the lane does not take to `general`."""
-    recorder = route.recorder
+def fast_call(route: Route, lane: FastLane, func: Callable[..., Any], general: Callable[..., Any],
+              values: Callable[[tuple, dict], Any] | None = None) -> Callable[..., Any]:
+    """`func` guarded through the fast lane, handing every call the lane does not take to `general`.
+    `values(args, kwargs)`: the call's validated values (`kvobs.lane_values`), None to hand the call over."""
+    recorder, local, lock, path = route.recorder, lane.local, route.lock, route.path
     tracing = recorder.tracer_source if recorder.traces else None
-    local, lock, path = lane.local, route.lock, route.path
 
     def guarded(*args: Any, **kwargs: Any) -> Any:
         """Written out flat, and in this order on purpose: see the module docstring. A call under another guarded
         call on this lock finds it busy and goes to the general path, which refuses it as re-entry."""
-        try:
-            slot = local.slot
-        except AttributeError:
-            slot = lane.new_slot()
-        if slot.pending:  # nested in this thread's own call: leave that call's slot values alone
+        slot = getattr(local, "slot", None) or lane.new_slot()
+        given = None if values is None else values(args, kwargs)
+        # nested in this thread's own call (leave that call's slot values alone), or values that do not validate
+        if slot.pending or given is None and values is not None:
             return general(*args, **kwargs)
-        slot.route, slot.t_begin = route, (t0 := perf_counter())
+        slot.route, slot.given, slot.t_begin = route, given, (t0 := perf_counter())
         span = None
         try:
             if next(slot.arm) is NOOP:
@@ -196,8 +199,10 @@ def fast_call(route: Route, lane: FastLane, func: Callable[..., Any], general: C
                 return general(*args, **kwargs)
             lock.holder, lock.held_since = path, t0
             if tracing is not None and (tracing.tracer is not None or t0 >= tracing.recheck_at):
-                span = slot.span = recorder.start_plain_span()  # None when no provider is set after all
+                span = slot.span = recorder.start_lane_span(given)  # None when no provider is set after all
             result = func(*args, **kwargs) if span is None else call_in_span(span, func, args, kwargs)
+            if result is not None and isawaitable(result):
+                refuse_awaitable(func, result)
         except BaseException as exc:
             ended_here = True
             try:
@@ -205,7 +210,7 @@ def fast_call(route: Route, lane: FastLane, func: Callable[..., Any], general: C
             except KeyError:  # the deadline thread released it and recorded the call
                 ended_here = False
             if ended_here:
-                _record(route, sc.OUTCOME_ERROR, t0, span, exc)
+                _record(route, t0, span, exc, given)
             raise
         try:
             all(slot.drain)
@@ -214,19 +219,32 @@ def fast_call(route: Route, lane: FastLane, func: Callable[..., Any], general: C
         if async_wait.waiting:
             async_wait.wake_waiters(lock)
         if span is None and recorder.counts_only:
-            recorder.counted_ok(t0, perf_counter())
+            recorder.counted_ok(t0, perf_counter(), given)
         else:
             slot.span = None
-            recorder.ended(LaneRecord(route, sc.OUTCOME_OK, t0, perf_counter(), span))
+            recorder.ended(LaneRecord(route, sc.OUTCOME_OK, t0, perf_counter(), span, None, given))
         return result
 
     return guarded
 
 
-def _record(route: Route, outcome: str, t_begin: float, span: Any, error: BaseException) -> None:
+def _record(route: Route, t_begin: float, span: Any, error: BaseException, given: Any) -> None:
+    """A fast-lane call that raised (or was interrupted), once its lock is released."""
     if async_wait.waiting:
         async_wait.wake_waiters(route.lock)
-    route.recorder.ended(LaneRecord(route, outcome, t_begin, perf_counter(), span, error))
+    route.recorder.ended(LaneRecord(route, sc.OUTCOME_ERROR, t_begin, perf_counter(), span, error, given))
+
+
+def refuse_awaitable(func: Callable[..., Any], result: Any) -> None:
+    """A synchronous guarded call returned an awaitable (both paths refuse it): the copy it stands for would run
+    after the lock is released."""
+    close = getattr(result, "close", None)
+    if close is not None:
+        close()  # never awaited: close it so Python does not warn about it later
+    raise TypeError(
+        f"{getattr(func, '__qualname__', func)!r} returned an awaitable, which kvobs would run unguarded; "
+        "decorate the `async def` that performs the copy instead"
+    )
 
 
 _BY_LOCK: weakref.WeakKeyDictionary[Any, FastLane] = weakref.WeakKeyDictionary()

@@ -5,8 +5,9 @@ Its specs name where the call's keys, block ids, cache, key, ... are found (see 
 once per decorated function. A call validates, takes the lock, checks the sources of a reading transfer,
 runs the function with the transfer's span current, then either completes the transfer (checking the
 destinations of a writing transfer) or, with `complete_later=`, leaves it open under its key until
-`obs.complete(path, key, ...)` ends it from wherever the engine learns the copy is done. A guard that names
-nothing in the call, on a ThreadLock or NullLock, runs its calls through the fast lane (`kvobs.fast_lane`).
+`obs.complete(path, key, ...)` ends it from wherever the engine learns the copy is done. A guard naming at most
+block ids, a byte count and a request id, on a ThreadLock or NullLock, runs its calls through the fast lane
+(`kvobs.fast_lane`, `kvobs.lane_values`).
 
 Generators and async generators are refused at decoration: a guard would cover only the creation of the
 generator object, not the copy it performs while iterated. A plain function that returns a coroutine is
@@ -26,7 +27,8 @@ from opentelemetry import trace
 from kvobs.active import ACTIVE, with_added
 from kvobs.arguments import Resolver, SpecError, compile_specs
 from kvobs.errors import TransferRejected
-from kvobs.fast_lane import fast_call
+from kvobs.fast_lane import fast_call, refuse_awaitable
+from kvobs.lane_values import LANE_SPECS, lane_values
 from kvobs.route import Route
 from kvobs.telemetry.tracing import call_in_span
 from kvobs.transfer import UNSET, CorruptHandler, Transfer
@@ -69,8 +71,9 @@ class Guard:
             return functools.wraps(func)(self._async_wrapper(func, resolvers))
         general = self._sync_wrapper(func, resolvers)
         lane = self.route.lane
-        if lane is not None and not resolvers and self.result is None:  # nothing to validate or read back
-            return functools.wraps(func)(fast_call(self.route, lane, func, general))
+        if lane is not None and resolvers.keys() <= LANE_SPECS and self.result is None:
+            values = lane_values(self.route, resolvers) if resolvers else None
+            return functools.wraps(func)(fast_call(self.route, lane, func, general, values))
         return functools.wraps(func)(general)
 
     def __enter__(self) -> None:
@@ -103,7 +106,7 @@ class Guard:
                 finally:
                     ACTIVE.set(previous)
                 if result is not None and inspect.isawaitable(result):
-                    _refuse_awaitable(func, result)
+                    refuse_awaitable(func, result)
                 return t.returned(result, later) if later else t.complete(result)
             except BaseException as exc:
                 t._release()
@@ -180,13 +183,3 @@ async def _await_under(t: Transfer, func: Callable[..., Any], args: tuple, kwarg
         if token is not None:
             otel_context.detach(token)
         ACTIVE.set(previous)
-
-
-def _refuse_awaitable(func: Callable[..., Any], result: Any) -> None:
-    close = getattr(result, "close", None)
-    if close is not None:
-        close()  # never awaited: close it so Python does not warn about it later
-    raise TypeError(
-        f"{getattr(func, '__qualname__', func)!r} returned an awaitable, which kvobs would run unguarded; "
-        "decorate the `async def` that performs the copy instead"
-    )

@@ -76,21 +76,73 @@ def test_a_guard_naming_nothing_takes_the_lane_and_counts_like_the_general_path(
     assert lane_slot(fast, "send") is not None
 
 
-def test_a_guard_with_specs_or_a_result_reader_stays_on_the_general_path():
+def test_a_guard_naming_keys_or_reading_its_result_stays_on_the_general_path():
     obs = observer()
 
-    @obs.send(block_ids="ids")
-    def send(ids):
+    @obs.send(keys="keys", block_ids="ids")
+    def send(keys, ids):
         return ids
 
     @obs.prefetch(result=list)
     def load():
         return [1]
 
-    send([1, 2])
+    send(["k1", "k2"], [1, 2])
     load()
     assert lane_slot(obs, "send") is None and lane_slot(obs, "prefetch") is None
     assert value(obs, sc.TRANSFER_BLOCKS_TOTAL, path="send") == 2
+
+
+def test_block_ids_bytes_and_request_id_on_the_lane_count_and_reach_hooks_like_the_general_path(tmp_path):
+    counts = {}
+    for kind, lock in (("lane", kvobs.ThreadLock()), ("general", ProcessLock("lane-ids", directory=tmp_path))):
+        records = []
+        obs = observer(lock=lock, block_bytes=4096, hooks=[records.append])
+
+        @obs.write_back(block_ids="ids", request_id="rid")
+        def write(ids, rid):
+            return len(ids)
+
+        @obs.send(block_ids="ids", nbytes="size")
+        def send(ids, size):
+            return size
+
+        assert write([3, 1, 2], "req-7") == 3 and send((5, 6), 100) == 100
+        counts[kind] = (value(obs, sc.TRANSFER_BLOCKS_TOTAL, path="write_back"),
+                        value(obs, sc.TRANSFER_BYTES_TOTAL, path="write_back"),
+                        value(obs, sc.TRANSFER_BYTES_TOTAL, path="send"),
+                        [(r.path, r.blocks, r.bytes, r.request_id) for r in records])
+        lane = obs._routes["write_back"].lane
+        assert (lane is not None and getattr(lane.local, "slot", None) is not None) is (kind == "lane")
+    assert counts["lane"] == counts["general"] == (
+        3, 3 * 4096, 100, [("write_back", 3, 3 * 4096, "req-7"), ("send", 2, 100, None)])
+
+
+@pytest.mark.parametrize("ids, size", [([1, 1], None), ([-1], None), ([1], -5), ("bad", None)])
+def test_a_value_that_does_not_validate_is_rejected_by_the_general_path_with_nothing_held(ids, size):
+    obs = observer()
+
+    @obs.send(block_ids="ids", nbytes="size")
+    def send(ids, size):
+        raise AssertionError("never runs")
+
+    with pytest.raises(kvobs.TransferRejected):
+        send(ids, size)
+    assert value(obs, sc.TRANSFERS_TOTAL, path="send", outcome="rejected") == 1
+    assert lock_is_free(obs.lock) and not lane_slot(obs, "send").pending
+
+
+def test_an_empty_list_of_blocks_claims_nothing_as_on_the_general_path():
+    obs = observer()
+    inside = []
+
+    @obs.send(block_ids="ids")
+    def send(ids):
+        inside.append(lock_is_free_from_other_thread(obs.lock))
+
+    send([])
+    assert inside == [True]  # nothing claimed, nothing to protect
+    assert value(obs, sc.TRANSFERS_TOTAL, path="send", outcome="ok") == 1
 
 
 def test_an_error_passes_through_unchanged_and_is_recorded():
@@ -349,10 +401,26 @@ def test_a_traced_call_on_the_lane_records_its_span_current_while_the_call_runs(
     assert (copy.name, transfer.name) == ("engine.copy", "kvobs.send")
     assert copy.parent.span_id == transfer.context.span_id
     assert transfer.attributes[sc.ATTR_OUTCOME] == "ok" and transfer.attributes[sc.ATTR_LOCK_WAIT_S] == 0.0
+    assert sc.ATTR_BLOCK_IDS not in transfer.attributes  # it named none
     assert lane_slot(obs, "send").route is obs._routes["send"]
     exemplar = REGISTRIES[id(obs)].collect()
     assert any(s.exemplar and s.exemplar.labels["trace_id"] == format(transfer.context.trace_id, "032x")
                for m in exemplar for s in m.samples)
+
+
+def test_a_traced_call_naming_blocks_on_the_lane_puts_them_on_its_span(spans):
+    provider, exporter = spans
+    obs = observer(tracer_provider=provider)
+
+    @obs.prefetch(block_ids="ids", request_id="rid")
+    def load(ids, rid):
+        return ids
+
+    load([7, 3], "req-1")
+    (span,) = exporter.get_finished_spans()
+    assert list(span.attributes[sc.ATTR_BLOCK_IDS]) == [7, 3] and span.attributes[sc.ATTR_BLOCKS] == 2
+    assert span.attributes[sc.ATTR_REQUEST_ID] == "req-1"
+    assert lane_slot(obs, "prefetch").route is obs._routes["prefetch"]
 
 
 def test_a_traced_call_that_raises_or_hangs_ends_its_span_as_an_error(spans):

@@ -22,6 +22,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from support import hold_in_thread, lock_is_free, lock_is_free_from_other_thread
 
 import kvobs
+import kvobs.fast_lane
 from kvobs import active
 from kvobs import semconv as sc
 from kvobs.block_lock import BlockLock
@@ -340,8 +341,8 @@ def test_an_ended_transfer_is_not_left_in_the_callers_context(cap):
     (its cache, its span) alive for as long as the caller's context lives."""
     obs = cap.observer
 
-    @obs.send(block_ids="ids")
-    def send(ids):
+    @obs.send(block_ids="ids", keys="keys")  # naming keys: the general lifecycle, not the fast lane
+    def send(ids, keys=("k",)):
         assert len(active.ACTIVE.get()) == 1
         return "sent"
 
@@ -653,17 +654,24 @@ def test_a_guard_option_that_is_not_callable_is_refused_when_the_guard_is_made(c
         checked.observer.prefetch(block_ids="ids", **{option: 5})
 
 
-@pytest.mark.parametrize("form", ["sync", "async"])
+@pytest.mark.parametrize("form", ["sync", "async", "fast lane"])
 def test_a_decorated_call_that_raises_then_an_interrupt_while_failing_leaves_the_lock_free(checked, monkeypatch,
                                                                                           form):
     obs = checked.observer
     if form == "sync":
-        @obs.prefetch(block_ids="ids")
-        def load(ids):
+        @obs.prefetch(block_ids="ids", keys="keys")  # naming keys: the general lifecycle
+        def load(ids, keys=("k",)):
             monkeypatch.setattr(kvobs.transfer.Transfer, "fail", _interrupted)
             raise OSError("the copy failed")
 
         call = load
+    elif form == "fast lane":
+        @obs.prefetch(block_ids="ids")
+        def load_fast(ids):
+            monkeypatch.setattr(kvobs.fast_lane, "_record", _interrupted)
+            raise OSError("the copy failed")
+
+        call = load_fast
     else:
         @obs.prefetch(block_ids="ids")
         async def load_async(ids):

@@ -77,7 +77,7 @@ MODULE_TESTS: dict[str, list[str]] = {
         "tests/test_lifecycle_defects.py", "tests/test_batches.py", "tests/test_faults.py",
         "tests/test_integrity_wiring.py", "tests/test_validation.py", "tests/test_trace_propagation.py",
     ],
-    "kvobs/fast_lane.py": [
+    "kvobs/fast_lane.py,kvobs/lane_values.py": [
         "tests/test_fast_lane.py", "tests/test_guard.py", "tests/test_lifecycle_defects.py",
         "tests/test_mutation_gaps_transfer.py",
     ],
@@ -92,7 +92,7 @@ MODULE_TESTS: dict[str, list[str]] = {
     ],
     "kvobs/signals": [
         "tests/test_signals.py", "tests/test_signals_bounds.py", "tests/test_signals_step_aligned.py",
-        "tests/test_signals_ratelimit.py",
+        "tests/test_signals_ratelimit.py", "tests/test_signals_interrupts.py",
     ],
     "kvobs/integrity": [
         "tests/test_integrity.py", "tests/test_integrity_kernel.py", "tests/test_integrity_validation.py",

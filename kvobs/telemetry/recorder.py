@@ -130,9 +130,9 @@ class Recorder:
             self.failed("tracing", exc)
             return None
 
-    def start_plain_span(self) -> Any:
-        """`start_span` for a transfer that names nothing in the call (the fast lane's)."""
-        return self.start_span(_NOTHING_GIVEN)
+    def start_lane_span(self, given: Any) -> Any:
+        """`start_span` for a fast-lane call: `given` holds what it names (`kvobs.lane_values`), or None."""
+        return self.start_span(_NOTHING_GIVEN if given is None else given)
 
     def _start_attributes(self, t: Ended) -> dict[str, Any]:
         attrs: dict[str, Any] = {}
@@ -251,14 +251,19 @@ class Recorder:
         except Exception as exc:  # noqa: BLE001 - whatever this layer gets wrong, the engine's call is unaffected
             self.failed("metrics", exc)
 
-    def counted_ok(self, begin: float, end: float) -> None:
-        """`ended` for an ok fast-lane call (`kvobs.fast_lane`: whole cache, no span, no wait) when
-        `counts_only`: its one telemetry call."""
+    def counted_ok(self, begin: float, end: float, given: Any = None) -> None:
+        """`ended` for an ok fast-lane call (`kvobs.fast_lane`: no span, no wait) when `counts_only`: its one
+        telemetry call. `given`: what the call named (`kvobs.lane_values.LaneValues`), or None."""
         metrics = self.metrics
         if metrics is not None:
             try:
                 held = end - begin
-                metrics.finished(sc.OUTCOME_OK, held, 0.0, held, 0, 0, None)
+                if given is None:
+                    metrics.finished(sc.OUTCOME_OK, held, 0.0, held, 0, 0, None)
+                else:
+                    blocks = 0 if given.blocks is None else given.blocks.count
+                    nbytes = blocks * self.block_bytes if given.nbytes is None else given.nbytes
+                    metrics.finished(sc.OUTCOME_OK, held, 0.0, held, blocks, nbytes, None)
             except Exception as exc:  # noqa: BLE001
                 self.failed("metrics", exc)
 
