@@ -1,10 +1,11 @@
-"""The transfer lifecycle's fast lane: a synchronous guarded call that names nothing to validate, on a lock
-whose uncontended acquire is one C call (ThreadLock, NullLock), recorded without building a Transfer.
+"""The transfer lifecycle's fast lane: a synchronous guarded call naming at most block ids, a byte count and a
+request id (`kvobs.lane_values`), on a lock whose uncontended acquire is one C call (ThreadLock, NullLock),
+recorded without building a Transfer.
 
 Why: the general lifecycle (transfer.py) builds a Transfer, an undo deque, a one-shot release and an entry
-in the open-transfer table for every call, about fifteen Python calls. A call that claims the whole cache
-and completes before it returns needs none of that, only the same guarantees, which this lane keeps with
-no allocation per call. Each thread has one reusable Slot per lock:
+in the open-transfer table for every call, about fifteen Python calls. A call that holds the lock only while
+it runs needs none of that, only the same guarantees, which this lane keeps with no object built per call
+for the lock. Each thread has one reusable Slot per lock:
 
 - Acquire and record in one C call: `next(slot.arm)` runs `try_acquire(False)` and stores the lock's
   release (NOOP when the lock was busy) in `slot.pending` under a fresh key, so an interrupt right after
