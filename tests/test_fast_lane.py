@@ -160,6 +160,30 @@ def test_an_error_passes_through_unchanged_and_is_recorded():
     assert lock_is_free(obs.lock) and obs.open.count("write_back") == 0
 
 
+class BareAwaitable:
+    """An awaitable with nothing to close (no `close` method, unlike a coroutine)."""
+
+    def __await__(self):
+        yield from ()
+
+
+@pytest.mark.parametrize("awaitable", ["coroutine", "bare"])
+def test_a_sync_call_returning_an_awaitable_is_refused_on_the_lane_too(awaitable):
+    obs = observer()
+
+    async def copy():
+        return "copied"
+
+    @obs.send(block_ids="ids")
+    def submit(ids):
+        return copy() if awaitable == "coroutine" else BareAwaitable()
+
+    with pytest.raises(TypeError, match="returned an awaitable"):
+        submit([1])
+    assert value(obs, sc.TRANSFERS_TOTAL, path="send", outcome="error") == 1
+    assert lock_is_free(obs.lock) and lane_slot(obs, "send") is not None
+
+
 def test_a_busy_lock_sends_the_call_to_the_general_path_which_waits_counts_and_times_out():
     obs = observer(lock_timeout=0.2)
 

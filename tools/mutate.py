@@ -127,6 +127,9 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
         "claims never get here: overlaps() answers them first)",
     ("kvobs/block_plan.py", "BlockPlanner._runs", "if block < expected:", "'<' -> '<='"):
         "only reached when block != expected",
+    **{("kvobs/fast_lane.py", where, "if async_wait.waiting:", "condition -> True"):
+       "performance only: with no coroutine waiting, wake_waiters finds no waiters and does nothing"
+       for where in ("fast_call.guarded", "ExpiredCall.abandon", "_record")},
     ("kvobs/fast_lane.py", "Slot.expired_keys",
      "return keys if keys and self.t_begin + self.route.deadline_s <= now else []", "'<=' -> '<'"):
         "a deadline met to the exact float by a polling thread: '<' abandons the same call one poll later",
@@ -160,7 +163,7 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
        "performance only: a coroutine waiting for the lock still retries within its back-off (at most 5 ms)"
        for mutation in ("statement removed", "condition -> False")},
     ("kvobs/guard.py", "Guard._sync_wrapper.guarded", "if t.span is None:", "condition -> False"):
-        "the no-span fast path: _call_in_span runs the function the same way without a span",
+        "the no-span fast path: call_in_span runs the function the same way without a span",
     ("kvobs/guard.py", "Guard._sync_wrapper.guarded",
      "return t.returned(result, later) if later else t.complete(result)", "condition -> True"):
         "the synchronous fast path: t.returned(result, False) is t.complete(result)",
