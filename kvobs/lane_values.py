@@ -43,6 +43,6 @@ def lane_values(route: Any, resolvers: dict[str, Callable[[tuple, dict], Any]]
             validate_nbytes(path, size)
             return LaneValues(blocks, size, None if request_id is None else request_id(args, kwargs))
         except Exception:  # noqa: BLE001 - the general path resolves the call again and reports what is wrong
-            return None
+            return None  # (said outright: falling off the end would return None too)
 
     return values

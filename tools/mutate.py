@@ -130,6 +130,9 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
     **{("kvobs/fast_lane.py", where, "if async_wait.waiting:", "condition -> True"):
        "performance only: with no coroutine waiting, wake_waiters finds no waiters and does nothing"
        for where in ("fast_call.guarded", "ExpiredCall.abandon", "_record")},
+    ("kvobs/lane_values.py", "lane_values.values",
+     "return None  # (said outright: falling off the end would return None too)", "statement removed"):
+        "the function ends there: without the return it returns None all the same",
     ("kvobs/fast_lane.py", "Slot.expired_keys",
      "return keys if keys and self.t_begin + self.route.deadline_s <= now else []", "'<=' -> '<'"):
         "a deadline met to the exact float by a polling thread: '<' abandons the same call one poll later",
