@@ -1,6 +1,6 @@
-"""The transfer lifecycle's fast lane: a synchronous guarded call naming at most block ids, a byte count and a
-request id (`kvobs.lane_values`), on a lock whose uncontended acquire is one C call (ThreadLock, NullLock),
-recorded without building a Transfer.
+"""The transfer lifecycle's fast lane: a synchronous guarded call naming at most block ids, keys, `is_sync`, a
+byte count and a request id (`kvobs.lane_values`), on a lock whose uncontended acquire is one C call
+(ThreadLock, NullLock), recorded without building a Transfer.
 
 Why: the general lifecycle (transfer.py) builds a Transfer, an undo deque, a one-shot release and an entry
 in the open-transfer table for every call, about fifteen Python calls. A call that holds the lock only while
@@ -164,7 +164,8 @@ class LaneRecord:
         self.t_begin = self.t_acquired = t_begin
         self.t_end = t_end
         if given is not None:  # the call's validated values (`kvobs.lane_values.LaneValues`)
-            self.blocks, self.nbytes, self.request_id = given.blocks, given.nbytes, given.request_id
+            self.blocks, self.keys, self.nbytes = given.blocks, given.keys, given.nbytes
+            self.request_id = given.request_id
 
 
 def lane_for(lock: Any) -> FastLane | None:

@@ -76,18 +76,18 @@ def test_a_guard_naming_nothing_takes_the_lane_and_counts_like_the_general_path(
     assert lane_slot(fast, "send") is not None
 
 
-def test_a_guard_naming_keys_or_reading_its_result_stays_on_the_general_path():
+def test_a_guard_naming_kv_groups_or_reading_its_result_stays_on_the_general_path():
     obs = observer()
 
-    @obs.send(keys="keys", block_ids="ids")
-    def send(keys, ids):
+    @obs.send(block_ids="ids", group_sizes="groups")
+    def send(ids, groups):
         return ids
 
     @obs.prefetch(result=list)
     def load():
         return [1]
 
-    send(["k1", "k2"], [1, 2])
+    send([1, 2], [2])
     load()
     assert lane_slot(obs, "send") is None and lane_slot(obs, "prefetch") is None
     assert value(obs, sc.TRANSFER_BLOCKS_TOTAL, path="send") == 2
@@ -99,8 +99,8 @@ def test_block_ids_bytes_and_request_id_on_the_lane_count_and_reach_hooks_like_t
         records = []
         obs = observer(lock=lock, block_bytes=4096, hooks=[records.append])
 
-        @obs.write_back(block_ids="ids", request_id="rid")
-        def write(ids, rid):
+        @obs.write_back(block_ids="ids", keys="keys", sync="is_sync", request_id="rid")
+        def write(ids, rid, keys=("a", "b", "c"), is_sync=True):
             return len(ids)
 
         @obs.send(block_ids="ids", nbytes="size")
@@ -118,18 +118,20 @@ def test_block_ids_bytes_and_request_id_on_the_lane_count_and_reach_hooks_like_t
         3, 3 * 4096, 100, [("write_back", 3, 3 * 4096, "req-7"), ("send", 2, 100, None)])
 
 
-@pytest.mark.parametrize("ids, size", [([1, 1], None), ([-1], None), ([1], -5), ("bad", None)])
-def test_a_value_that_does_not_validate_is_rejected_by_the_general_path_with_nothing_held(ids, size):
+@pytest.mark.parametrize("ids, size, keys, is_sync", [
+    ([1, 1], None, None, True), ([-1], None, None, True), ([1], -5, None, True), ("bad", None, None, True),
+    ([1, 2, 3], None, ["k"], True), ([1], None, "k", True), ([1], None, None, False), ([1], None, None, 1)])
+def test_a_value_that_does_not_validate_is_rejected_by_the_general_path_with_nothing_held(ids, size, keys, is_sync):
     obs = observer()
 
-    @obs.send(block_ids="ids", nbytes="size")
-    def send(ids, size):
+    @obs.prefetch(block_ids="ids", nbytes="size", keys="keys", sync="is_sync")
+    def load(ids, size, keys, is_sync):
         raise AssertionError("never runs")
 
     with pytest.raises(kvobs.TransferRejected):
-        send(ids, size)
-    assert value(obs, sc.TRANSFERS_TOTAL, path="send", outcome="rejected") == 1
-    assert lock_is_free(obs.lock) and not lane_slot(obs, "send").pending
+        load(ids, size, keys, is_sync)
+    assert value(obs, sc.TRANSFERS_TOTAL, path="prefetch", outcome="rejected") == 1
+    assert lock_is_free(obs.lock) and not lane_slot(obs, "prefetch").pending
 
 
 def test_an_empty_list_of_blocks_claims_nothing_as_on_the_general_path():
@@ -436,13 +438,14 @@ def test_a_traced_call_naming_blocks_on_the_lane_puts_them_on_its_span(spans):
     provider, exporter = spans
     obs = observer(tracer_provider=provider)
 
-    @obs.prefetch(block_ids="ids", request_id="rid")
-    def load(ids, rid):
+    @obs.prefetch(block_ids="ids", keys="keys", request_id="rid")
+    def load(ids, keys, rid):
         return ids
 
-    load([7, 3], "req-1")
+    load([7, 3], ["k7", "k3"], "req-1")
     (span,) = exporter.get_finished_spans()
     assert list(span.attributes[sc.ATTR_BLOCK_IDS]) == [7, 3] and span.attributes[sc.ATTR_BLOCKS] == 2
+    assert list(span.attributes[sc.ATTR_KEYS]) == ["k7", "k3"]
     assert span.attributes[sc.ATTR_REQUEST_ID] == "req-1"
     assert lane_slot(obs, "prefetch").route is obs._routes["prefetch"]
 

@@ -341,8 +341,8 @@ def test_an_ended_transfer_is_not_left_in_the_callers_context(cap):
     (its cache, its span) alive for as long as the caller's context lives."""
     obs = cap.observer
 
-    @obs.send(block_ids="ids", keys="keys")  # naming keys: the general lifecycle, not the fast lane
-    def send(ids, keys=("k",)):
+    @obs.send(block_ids="ids", group_sizes="groups")  # naming KV groups: the general lifecycle, not the fast lane
+    def send(ids, groups=(1,)):
         assert len(active.ACTIVE.get()) == 1
         return "sent"
 
@@ -659,8 +659,8 @@ def test_a_decorated_call_that_raises_then_an_interrupt_while_failing_leaves_the
                                                                                           form):
     obs = checked.observer
     if form == "sync":
-        @obs.prefetch(block_ids="ids", keys="keys")  # naming keys: the general lifecycle
-        def load(ids, keys=("k",)):
+        @obs.prefetch(block_ids="ids", group_sizes="groups")  # naming KV groups: the general lifecycle
+        def load(ids, groups=(1,)):
             monkeypatch.setattr(kvobs.transfer.Transfer, "fail", _interrupted)
             raise OSError("the copy failed")
 
