@@ -118,6 +118,21 @@ def test_block_ids_bytes_and_request_id_on_the_lane_count_and_reach_hooks_like_t
         3, 3 * 4096, 100, [("write_back", 3, 3 * 4096, "req-7"), ("send", 2, 100, None)])
 
 
+def test_a_guard_naming_no_blocks_but_a_size_and_a_request_takes_the_lane_and_claims_the_whole_cache():
+    obs = observer()
+    holding = []
+
+    @obs.send(nbytes="size", request_id="rid")
+    def send(size, rid):
+        holding.append(lock_is_free_from_other_thread(obs.lock))
+        return size
+
+    assert send(64, "req-3") == 64
+    assert holding == [False]  # the whole cache is claimed
+    assert lane_slot(obs, "send").route is obs._routes["send"]
+    assert value(obs, sc.TRANSFER_BYTES_TOTAL, path="send") == 64
+
+
 @pytest.mark.parametrize("ids, size, keys, is_sync", [
     ([1, 1], None, None, True), ([-1], None, None, True), ([1], -5, None, True), ("bad", None, None, True),
     ([1, 2, 3], None, ["k"], True), ([1], None, "k", True), ([1], None, None, False), ([1], None, None, 1)])
