@@ -34,6 +34,7 @@ from kvobs import async_wait
 from kvobs import semconv as sc
 from kvobs.atomic import CALL
 from kvobs.forks import renewed_after_fork
+from kvobs.lane_values import NOTHING_GIVEN
 from kvobs.telemetry.tracing import call_in_span
 
 
@@ -143,9 +144,7 @@ class ExpiredCall:
             return
         undo()
         slot.span = None
-        if async_wait.waiting:
-            async_wait.wake_waiters(route.lock)
-        route.recorder.ended(LaneRecord(route, sc.OUTCOME_ABANDONED, t_begin, perf_counter(), span, None, given))
+        _record(route, sc.OUTCOME_ABANDONED, t_begin, span, given)
 
 
 class LaneRecord:
@@ -201,7 +200,7 @@ def fast_call(route: Route, lane: FastLane, func: Callable[..., Any], general: C
                 return general(*args, **kwargs)
             lock.holder, lock.held_since = path, t0
             if tracing is not None and (tracing.tracer is not None or t0 >= tracing.recheck_at):
-                span = slot.span = recorder.start_lane_span(given)  # None when no provider is set after all
+                span = slot.span = recorder.start_span(given or NOTHING_GIVEN)  # None: no provider after all
             result = func(*args, **kwargs) if span is None else call_in_span(span, func, args, kwargs)
             if result is not None and isawaitable(result):
                 refuse_awaitable(func, result)
@@ -212,7 +211,7 @@ def fast_call(route: Route, lane: FastLane, func: Callable[..., Any], general: C
             except KeyError:  # the deadline thread released it and recorded the call
                 ended_here = False
             if ended_here:
-                _record(route, t0, span, exc, given)
+                _record(route, sc.OUTCOME_ERROR, t0, span, given, exc)
             raise
         try:
             all(slot.drain)
@@ -230,11 +229,12 @@ def fast_call(route: Route, lane: FastLane, func: Callable[..., Any], general: C
     return guarded
 
 
-def _record(route: Route, t_begin: float, span: Any, error: BaseException, given: Any) -> None:
-    """A fast-lane call that raised (or was interrupted), once its lock is released."""
+def _record(route: Route, outcome: str, t_begin: float, span: Any, given: Any,
+            error: BaseException | None = None) -> None:
+    """A fast-lane call that failed or was abandoned, once its lock is released: wake waiting coroutines, record."""
     if async_wait.waiting:
         async_wait.wake_waiters(route.lock)
-    route.recorder.ended(LaneRecord(route, sc.OUTCOME_ERROR, t_begin, perf_counter(), span, error, given))
+    route.recorder.ended(LaneRecord(route, outcome, t_begin, perf_counter(), span, error, given))
 
 
 def refuse_awaitable(func: Callable[..., Any], result: Any) -> None:

@@ -129,7 +129,7 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
         "only reached when block != expected",
     **{("kvobs/fast_lane.py", where, "if async_wait.waiting:", "condition -> True"):
        "performance only: with no coroutine waiting, wake_waiters finds no waiters and does nothing"
-       for where in ("fast_call.guarded", "ExpiredCall.abandon", "_record")},
+       for where in ("fast_call.guarded", "_record")},
     ("kvobs/lane_values.py", "lane_values.values",
      "return None  # (said outright: falling off the end would return None too)", "statement removed"):
         "the function ends there: without the return it returns None all the same",

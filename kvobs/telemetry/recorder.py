@@ -130,10 +130,6 @@ class Recorder:
             self.failed("tracing", exc)
             return None
 
-    def start_lane_span(self, given: Any) -> Any:
-        """`start_span` for a fast-lane call: `given` holds what it names (`kvobs.lane_values`), or None."""
-        return self.start_span(_NOTHING_GIVEN if given is None else given)
-
     def _start_attributes(self, t: Ended) -> dict[str, Any]:
         attrs: dict[str, Any] = {}
         if t.blocks is not None:
@@ -223,9 +219,7 @@ class Recorder:
                 moved = self._moved(t)
                 blocks, nbytes = t.blocks.count, sum(map(_THIRD, moved))
             else:
-                moved_blocks = t.reported_moved if t.reported_moved is not None else t.blocks
-                blocks = moved_blocks.count if moved_blocks is not None else 0
-                nbytes = t.nbytes if t.nbytes is not None else blocks * self.block_bytes
+                blocks, nbytes = self._size(t.reported_moved if t.reported_moved is not None else t.blocks, t.nbytes)
                 moved = None
             metrics = self.metrics
             if metrics is not None:
@@ -258,12 +252,8 @@ class Recorder:
         if metrics is not None:
             try:
                 held = end - begin
-                if given is None:
-                    metrics.finished(sc.OUTCOME_OK, held, 0.0, held, 0, 0, None)
-                else:
-                    blocks = 0 if given.blocks is None else given.blocks.count
-                    nbytes = blocks * self.block_bytes if given.nbytes is None else given.nbytes
-                    metrics.finished(sc.OUTCOME_OK, held, 0.0, held, blocks, nbytes, None)
+                blocks, nbytes = (0, 0) if given is None else self._size(given.blocks, given.nbytes)
+                metrics.finished(sc.OUTCOME_OK, held, 0.0, held, blocks, nbytes, None)
             except Exception as exc:  # noqa: BLE001
                 self.failed("metrics", exc)
 
@@ -324,6 +314,11 @@ class Recorder:
         except Exception as exc:  # noqa: BLE001
             self.failed("logging", exc)
 
+    def _size(self, blocks: Any, nbytes: int | None) -> tuple[int, int]:
+        """(blocks, bytes) a transfer of `blocks` (Blocks, or None) moved: `nbytes` when given, else by block."""
+        count = blocks.count if blocks is not None else 0
+        return count, nbytes if nbytes is not None else count * self.block_bytes
+
     def _moved(self, t: Ended) -> list[tuple[Any, int, int]]:
         """(request id, blocks, bytes) per request of a batch; the batch's own `nbytes` shared out by blocks.
         When completion named the blocks that moved, each request counts those of its own."""
@@ -352,13 +347,6 @@ class Recorder:
                     self.failed("hook", exc)
 
 
-class _NothingGiven:
-    """The start of a transfer that names nothing: no carried trace context, no blocks, keys or requests."""
-
-    trace_context = blocks = keys = request_id = requests = None
-
-
-_NOTHING_GIVEN: Any = _NothingGiven()
 _ZEROS = (0.0, 0.0, 0.0)
 _THIRD = operator.itemgetter(2)
 
