@@ -58,8 +58,6 @@ _FIRST_PAUSE_S = 50e-6
 _MAX_PAUSE_S = 1e-3
 _MAX_BLOCKS = 1 << 40  # data and turnstile bytes stay far below the init byte (1 << 62)
 _SUFFIX = ".blocks"
-
-
 _POPLEFT = deque.popleft
 
 

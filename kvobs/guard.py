@@ -6,8 +6,8 @@ once per decorated function. A call validates, takes the lock, checks the source
 runs the function with the transfer's span current, then either completes the transfer (checking the
 destinations of a writing transfer) or, with `complete_later=`, leaves it open under its key until
 `obs.complete(path, key, ...)` ends it from wherever the engine learns the copy is done. A guard naming at most
-block ids, a byte count and a request id, on a ThreadLock or NullLock, runs its calls through the fast lane
-(`kvobs.fast_lane`, `kvobs.lane_values`).
+block ids, keys, `sync`, a byte count and a request id, on a ThreadLock or NullLock, runs its calls through
+the fast lane (`kvobs.fast_lane`, `kvobs.lane_values`).
 
 Generators and async generators are refused at decoration: a guard would cover only the creation of the
 generator object, not the copy it performs while iterated. A plain function that returns a coroutine is

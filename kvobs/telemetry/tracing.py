@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import math
 import os
-from time import perf_counter
 from collections.abc import Callable
+from time import perf_counter
 from typing import Any
 
 from opentelemetry import context as otel_context

@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from kvobs.errors import CorruptKVError, LockTimeout
 import kvobs.integrations.vllm.children as children
+from kvobs.errors import CorruptKVError, LockTimeout
 from kvobs.integrations.vllm.observers import observer_for
 from kvobs.integrations.vllm.scheduler import SchedulerSide
 from kvobs.integrations.vllm.transfers import Transfers
