@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
-from support import process_holding
+from support import hold_in_thread, process_holding
 
 from kvobs.locks import CacheLock, LockTimeout, NullLock, ProcessLock, ThreadLock
 
@@ -363,17 +363,9 @@ def test_forked_child_never_recreates_a_missing_lock_file(tmp_path: Path) -> Non
 
 def test_threads_with_a_sub_second_timeout_wait_for_the_holder(tmp_path: Path) -> None:
     lock = ProcessLock("kv", directory=tmp_path)
-    taken, results = threading.Event(), []
-
-    def hold_briefly() -> None:
-        assert lock.acquire(timeout=0)
-        taken.set()
-        time.sleep(0.1)
-        lock.release()
-
-    holder_thread = threading.Thread(target=hold_briefly)
-    holder_thread.start()
-    assert taken.wait(10)
+    results = []
+    release, holder_thread = hold_in_thread(lock)
+    threading.Timer(0.1, release.set).start()  # the holder lets go after 0.1 s
     results.append(lock.acquire(timeout=0.9))  # waits for the thread instead of failing at once
     holder_thread.join(timeout=10)
     assert results == [True]
