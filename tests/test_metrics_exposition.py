@@ -250,3 +250,34 @@ def test_what_a_gauge_reader_flushes_is_in_the_same_scrape():
     metrics.bind_pending_signals(tally, Tally.pending, lambda owner: 0.0)
     tally.unflushed = 5
     assert registry.get_sample_value(sc.SIGNALS_TOTAL, {"engine": "flush", "outcome": "ready"}) == 5
+
+
+def test_exemplars_from_span_contexts_match_prometheus_client_over_many_batches():
+    """kvobs keeps a traced call's span context and formats its ids only when scraped, and folds a batch's
+    exemplars newest first, stopping once every bucket the batch touched has one: whatever the mix (records
+    without exemplars, NaN, several outcomes, batches folded when a thread's buffer fills), each bucket shows the
+    latest exemplar, as prometheus_client's per-observation `observe(amount, exemplar)` does."""
+    import random
+
+    from opentelemetry.trace import SpanContext, TraceFlags
+
+    rng = random.Random(11)
+    contexts = [SpanContext(rng.getrandbits(128), rng.getrandbits(64), False, TraceFlags(1)) for _ in range(9)]
+    ours, theirs = CollectorRegistry(), CollectorRegistry()
+    buckets = sc.DEFAULT_LATENCY_BUCKETS
+    metrics = EngineMetrics(MetricFamilies.of(ours, buckets), ENGINE, LOCK)
+    ref = Reference(theirs, buckets)
+    send = metrics.path(sc.PATH_SEND)
+    ref.create_children_like(metrics.families)
+    outcomes = [sc.OUTCOME_OK] * 6 + [sc.OUTCOME_ERROR, sc.OUTCOME_ABANDONED]
+    amounts = [0.0, 1e-5, 3e-4, 0.02, 0.7, 40.0, math.nan]
+    for _ in range(7500):
+        outcome, context = rng.choice(outcomes), rng.choice(contexts + [None] * 3)
+        duration, wait = rng.choice(amounts), rng.choice(amounts[:4])
+        labels = None if context is None else {"trace_id": format(context.trace_id, "032x"),
+                                               "span_id": format(context.span_id, "016x")}
+        send.finished(outcome, duration, wait, 1e-4, 1, 8, context)
+        ref.finished(sc.PATH_SEND, outcome, duration, wait, 1e-4, 1, 8, labels)
+    mine, reference = normalised(openmetrics(ours).decode()), normalised(openmetrics(theirs).decode())
+    assert mine == reference
+    assert sum(" # {" in line for line in mine.splitlines()) >= 15

@@ -21,11 +21,17 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import prometheus_client.metrics as _prometheus_metrics
+from opentelemetry.trace import SpanContext
 from prometheus_client.metrics_core import Metric
 from prometheus_client.samples import Exemplar
 from prometheus_client.utils import INF, floatToGoString
 
+from kvobs.telemetry.logs import context_fields
+
 ExemplarLabels = dict[str, str]
+# a histogram's exemplar: its labels, or the span context they are formatted from when scraped (the hex
+# formatting costs more than the rest of recording it, and only the latest exemplar of a bucket is ever shown)
+ExemplarSource = ExemplarLabels | SpanContext
 Batch = tuple["HistogramCell", float, list[tuple[int, int]]]
 
 
@@ -66,10 +72,10 @@ class HistogramCell:
         self.sum = 0.0
         self.created = time.time()
         # (labels, amount, timestamp) per bucket; the Exemplar tuple is built only when scraped
-        self.exemplars: list[tuple[ExemplarLabels, float, float] | None] = [None] * len(bounds)
+        self.exemplars: list[tuple[ExemplarSource, float, float] | None] = [None] * len(bounds)
         self.lock = lock
 
-    def observe(self, amount: float, exemplar: ExemplarLabels | None = None) -> None:
+    def observe(self, amount: float, exemplar: ExemplarSource | None = None) -> None:
         """prometheus_client's `Histogram.observe`. The exemplar's labels are trusted (kvobs's trace ids)."""
         with self.lock:
             self.add(amount)
@@ -116,14 +122,18 @@ class HistogramCell:
         for index, count in increments:
             buckets[index] += count
 
-    def set_exemplar(self, amount: float, labels: ExemplarLabels, timestamp: float) -> None:
+    def set_exemplar(self, amount: float, labels: ExemplarSource, timestamp: float) -> None:
         """Keep the latest exemplar of the bucket `amount` falls in; the caller holds `lock`."""
         if amount != amount:  # noqa: PLR0124
             return  # NaN falls in no bucket
-        index = bisect_left(self.bounds, amount)
+        self.keep_exemplar(bisect_left(self.bounds, amount), (labels, amount, timestamp))
+
+    def keep_exemplar(self, index: int, exemplar: tuple[ExemplarSource, float, float]) -> None:
+        """`exemplar` (source, amount, timestamp) for bucket `index`, unless the bucket holds a later one (threads'
+        batches fold in any order); the caller holds `lock`."""
         current = self.exemplars[index]
-        if current is None or current[2] <= timestamp:
-            self.exemplars[index] = (labels, amount, timestamp)
+        if current is None or current[2] <= exemplar[2]:
+            self.exemplars[index] = exemplar
 
     def count(self) -> float:
         return float(sum(self.buckets))
@@ -305,7 +315,7 @@ class HistogramFamily(_LockedFamily):
         for le, count, exemplar in zip(self._le, child.buckets, child.exemplars):
             cumulative += count
             metric.add_sample(name + "_bucket", {**labels, "le": le}, cumulative, None,
-                              None if exemplar is None else Exemplar(*exemplar))
+                              None if exemplar is None else _exposed(*exemplar))
         metric.add_sample(name + "_count", dict(labels), cumulative, None, None)
         if self.bounds[0] >= 0:
             metric.add_sample(name + "_sum", dict(labels), child.sum, None, None)
@@ -332,3 +342,8 @@ class GaugeFamily(_Family):
         for key, cell in children:  # read outside the lock: a reader may take its owner's locks
             metric.add_sample(self.name, dict(zip(self.labelnames, key)), cell.get(), None, None)
         return [metric]
+
+
+def _exposed(source: ExemplarSource, amount: float, timestamp: float) -> Exemplar:
+    labels = source if isinstance(source, dict) else context_fields(source)
+    return Exemplar(labels, amount, timestamp)

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import operator
 import time
+from bisect import bisect_left
 from itertools import compress
 from typing import Any, ClassVar
 
 from kvobs import semconv as sc
-from kvobs.telemetry.accumulators import CounterCell, HistogramCell
+from kvobs.telemetry.accumulators import CounterCell, ExemplarSource, HistogramCell
 from kvobs.telemetry.buffers import ThreadBuffers
 from kvobs.telemetry.failures import STAGE_METRICS
 from kvobs.telemetry.families import Failed, MetricFamilies
@@ -27,8 +28,10 @@ _SECOND, _THIRD = operator.itemgetter(1), operator.itemgetter(2)
 _TRANSFER_WIDTH = 7  # outcome, duration, wait, hold, blocks, bytes, (exemplar, time) or None
 _HOLDER_WIDTH = 3  # wait, hold, (exemplar, time) or None
 _now = time.time
-# histogram batches, counter increments, exemplars (histogram, amount, labels, timestamp)
-Prepared = tuple[list[Any], list[tuple[CounterCell, float]], list[tuple[HistogramCell, float, dict[str, str], float]]]
+# (histogram, bucket index) -> the latest exemplar of that bucket in a batch: (source, amount, timestamp)
+Latest = dict[tuple[HistogramCell, int], tuple[ExemplarSource, float, float]]
+# histogram batches, counter increments, exemplars
+Prepared = tuple[list[Any], list[tuple[CounterCell, float]], Latest]
 
 
 class _Buffered(LockSeries):
@@ -64,7 +67,7 @@ class BufferedPathMetrics(_Buffered, PathMetrics):
     width = _TRANSFER_WIDTH
 
     def finished(self, outcome: str, duration_s: float, wait_s: float, hold_s: float, blocks: int, nbytes: int,
-                 exemplar: dict[str, str] | None = None) -> None:
+                 exemplar: ExemplarSource | None = None) -> None:
         # ThreadBuffers.add, written out: the one call every transfer makes.
         try:
             values = self._local.values
@@ -75,7 +78,7 @@ class BufferedPathMetrics(_Buffered, PathMetrics):
             self._buffers.drain(values)
 
     def finished_many(self, outcome: str, duration_s: float, wait_s: float, hold_s: float,
-                      moved: list[tuple[Any, int, int]], exemplar: dict[str, str] | None = None) -> None:
+                      moved: list[tuple[Any, int, int]], exemplar: ExemplarSource | None = None) -> None:
         records = [outcome, duration_s, wait_s, hold_s, 0, 0, exemplar and (exemplar, _now())] * len(moved)
         records[4::_TRANSFER_WIDTH] = map(_SECOND, moved)  # blocks, then bytes, filled in C
         records[5::_TRANSFER_WIDTH] = map(_THIRD, moved)
@@ -103,21 +106,25 @@ class BufferedPathMetrics(_Buffered, PathMetrics):
             moved_blocks = _total(list(compress(values[4::w], ok)))
             moved_bytes = _total(list(compress(values[5::w], ok)))
         increments += [(self.blocks, moved_blocks), (self.bytes, moved_bytes)]
-        return batches, increments, self._exemplars_of(values, outcomes)
+        touched = sum(len(batch[2]) for batch in batches) - len(batches[1][2])  # lock hold takes no exemplar
+        return batches, increments, self._exemplars_of(values, outcomes, touched)
 
-    def _exemplars_of(self, values: list[Any], outcomes: list[str]) -> list[Any]:
-        """Each record's exemplar, on its lock wait and its duration."""
+    def _exemplars_of(self, values: list[Any], outcomes: list[str], wanted: int) -> Latest:
+        """The latest exemplar of each bucket the batch's lock waits and durations fell in (`wanted` of them)."""
         w = _TRANSFER_WIDTH
         exemplars = values[6::w]
+        latest: Latest = {}
         if exemplars.count(None) == len(exemplars):
-            return []
-        marks = []
-        for outcome, duration, wait, exemplar in zip(outcomes, values[1::w], values[2::w], exemplars):
+            return latest
+        wait_cell, duration_cells = self.lock_wait, self.duration
+        for exemplar, outcome, duration, wait in zip(reversed(exemplars), reversed(outcomes),
+                                                     reversed(values[1::w]), reversed(values[2::w])):
             if exemplar:
-                labels, timestamp = exemplar
-                marks.append((self.lock_wait, wait, labels, timestamp))
-                marks.append((self.duration[outcome], duration, labels, timestamp))
-        return marks
+                _keep(latest, wait_cell, wait, exemplar)
+                _keep(latest, duration_cells[outcome], duration, exemplar)
+                if len(latest) == wanted:
+                    break
+        return latest
 
 
 class BufferedHolderMetrics(_Buffered, HolderMetrics):
@@ -125,13 +132,31 @@ class BufferedHolderMetrics(_Buffered, HolderMetrics):
 
     width = _HOLDER_WIDTH
 
-    def held(self, wait_s: float, hold_s: float, exemplar: dict[str, str] | None = None) -> None:
+    def held(self, wait_s: float, hold_s: float, exemplar: ExemplarSource | None = None) -> None:
         self._buffers.add((wait_s, hold_s, exemplar and (exemplar, _now())))
 
     def _prepare(self, values: list[Any]) -> Prepared:
         """Fields of the flat records (wait, hold, exemplar) by slicing."""
-        marks = [(self.lock_wait, wait, *exemplar) for wait, exemplar in zip(values[0::3], values[2::3]) if exemplar]
-        return [self.lock_wait.prepare(values[0::3]), self.lock_hold.prepare(values[1::3])], [], marks
+        waits = self.lock_wait.prepare(values[0::3])
+        latest: Latest = {}
+        for wait, exemplar in zip(reversed(values[0::3]), reversed(values[2::3])):
+            if exemplar:
+                _keep(latest, self.lock_wait, wait, exemplar)
+                if len(latest) == len(waits[2]):
+                    break
+        return [waits, self.lock_hold.prepare(values[1::3])], [], latest
+
+
+def _keep(latest: Latest, cell: HistogramCell, amount: float, exemplar: tuple[ExemplarSource, float]) -> None:
+    """`exemplar` (source, timestamp) for the bucket `amount` falls in, unless it has one already.
+
+    Why: only the latest exemplar of a bucket is ever shown. A batch's records are in the order they were made,
+    so scanning them newest first, a bucket keeps the first found, and the scan can end once every bucket the
+    batch touched has one: most batches then cost a few records, not one bisect per record."""
+    if amount == amount:  # noqa: PLR0124 - NaN falls in no bucket
+        key = (cell, bisect_left(cell.bounds, amount))
+        if key not in latest:
+            latest[key] = (exemplar[0], amount, exemplar[1])
 
 
 def _total(amounts: list[Any]) -> int:
@@ -143,10 +168,10 @@ def _total(amounts: list[Any]) -> int:
 
 def _commit(prepared: Prepared) -> None:
     """Apply a prepared batch; nothing here can fail, so a batch is applied whole or not at all."""
-    batches, increments, marks = prepared
+    batches, increments, latest = prepared
     for cell, total, bucket_increments in batches:
         cell.commit(total, bucket_increments)
     for counter, amount in increments:
         counter.value += amount
-    for histogram, amount, labels, timestamp in marks:
-        histogram.set_exemplar(amount, labels, timestamp)
+    for (histogram, index), exemplar in latest.items():
+        histogram.keep_exemplar(index, exemplar)

@@ -12,6 +12,7 @@ from typing import Any
 
 import structlog
 from opentelemetry import trace
+from opentelemetry.trace import SpanContext
 
 LOGGER_NAME = "kvobs"
 
@@ -33,8 +34,11 @@ def level_number(level: str | int) -> int:
 def trace_fields(span: Any = None) -> dict[str, str]:
     """`trace_id`/`span_id` of `span` (default: the current span) in the W3C hex form; empty when none."""
     ctx = (span or trace.get_current_span()).get_span_context()
-    if not ctx.is_valid:
-        return {}
+    return context_fields(ctx) if ctx.is_valid else {}
+
+
+def context_fields(ctx: SpanContext) -> dict[str, str]:
+    """`trace_id`/`span_id` of a valid span context in the W3C hex form (log fields, exemplar labels)."""
     return {"trace_id": format(ctx.trace_id, "032x"), "span_id": format(ctx.span_id, "016x")}
 
 

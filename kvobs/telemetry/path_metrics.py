@@ -13,6 +13,7 @@ from collections import deque
 from typing import Any
 
 from kvobs import semconv as sc
+from kvobs.telemetry.accumulators import ExemplarSource
 from kvobs.telemetry.families import Failed, MetricFamilies
 
 __all__ = ["HolderMetrics", "InFlight", "LockSeries", "PathMetrics"]
@@ -50,12 +51,12 @@ class LockSeries:
                                                                                    holder_path)
         counter.inc()
 
-    def timed_out(self, waited_s: float, exemplar: dict[str, str] | None = None) -> None:
+    def timed_out(self, waited_s: float, exemplar: ExemplarSource | None = None) -> None:
         """The lock was not acquired within `waited_s` (`exemplar` goes on the wait)."""
         self.lock_timeouts.inc()
         self._observe(self.lock_wait, waited_s, exemplar)
 
-    def _observe(self, child: Any, amount: float, exemplar: dict[str, str] | None) -> None:
+    def _observe(self, child: Any, amount: float, exemplar: ExemplarSource | None) -> None:
         if exemplar and self._exemplars:
             child.observe(amount, exemplar)
         else:
@@ -79,7 +80,7 @@ class PathMetrics(LockSeries):
         self.nan_blocks = f.nan_blocks.labels(engine, path)
 
     def finished(self, outcome: str, duration_s: float, wait_s: float, hold_s: float, blocks: int, nbytes: int,
-                 exemplar: dict[str, str] | None = None) -> None:
+                 exemplar: ExemplarSource | None = None) -> None:
         """One transfer ended with `outcome`: counted, its duration, lock wait and hold observed (`exemplar`,
         `{trace_id, span_id}` or None, on the duration and the wait), and for `ok` its blocks and bytes added."""
         self.transfers[outcome].inc()
@@ -93,12 +94,12 @@ class PathMetrics(LockSeries):
                 self.bytes.inc(nbytes)
 
     def finished_many(self, outcome: str, duration_s: float, wait_s: float, hold_s: float,
-                      moved: list[tuple[Any, int, int]], exemplar: dict[str, str] | None = None) -> None:
+                      moved: list[tuple[Any, int, int]], exemplar: ExemplarSource | None = None) -> None:
         """A batch: one finished transfer per (request id, blocks, bytes) of `moved`, sharing the timings."""
         for _, blocks, nbytes in moved:
             self.finished(outcome, duration_s, wait_s, hold_s, blocks, nbytes, exemplar)
 
-    def timed_out(self, waited_s: float, exemplar: dict[str, str] | None = None) -> None:
+    def timed_out(self, waited_s: float, exemplar: ExemplarSource | None = None) -> None:
         """The lock was not acquired within `waited_s`: a lock timeout and a transfer with outcome `timeout`."""
         super().timed_out(waited_s, exemplar)
         self.transfers[sc.OUTCOME_TIMEOUT].inc()
@@ -122,7 +123,7 @@ class HolderMetrics(LockSeries):
         super().__init__(families, engine, lock_name, holder, failed)
         self.holder = holder
 
-    def held(self, wait_s: float, hold_s: float, exemplar: dict[str, str] | None = None) -> None:
+    def held(self, wait_s: float, hold_s: float, exemplar: ExemplarSource | None = None) -> None:
         """The holder waited `wait_s` for the lock and held it `hold_s` (`exemplar` goes on the wait)."""
         self._observe(self.lock_wait, wait_s, exemplar)
         self.lock_hold.observe(hold_s)

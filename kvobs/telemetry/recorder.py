@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from opentelemetry import propagate, trace
-from opentelemetry.trace import Status, StatusCode
+from opentelemetry.trace import SpanContext, Status, StatusCode
 
 from kvobs import semconv as sc
 from kvobs.telemetry.logs import trace_fields
@@ -268,9 +268,13 @@ class Recorder:
 
     # -- helpers ----------------------------------------------------------------------------------------
 
-    def _exemplar(self, span: Any) -> dict[str, str] | None:
+    def _exemplar(self, span: Any) -> SpanContext | None:
+        """The span context a recording span's exemplar is formatted from, when scraped (`ExemplarSource`)."""
         try:
-            return trace_fields(span) if span.is_recording() else None
+            if not span.is_recording():
+                return None
+            context = span.get_span_context()
+            return context if context.is_valid else None
         except Exception as exc:  # noqa: BLE001
             self.failed("tracing", exc)
             return None
