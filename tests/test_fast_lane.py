@@ -442,6 +442,8 @@ def test_a_traced_call_on_the_lane_records_its_span_current_while_the_call_runs(
     assert (copy.name, transfer.name) == ("engine.copy", "kvobs.send")
     assert copy.parent.span_id == transfer.context.span_id
     assert transfer.attributes[sc.ATTR_OUTCOME] == "ok" and transfer.attributes[sc.ATTR_LOCK_WAIT_S] == 0.0
+    assert transfer.attributes[sc.ATTR_LOCK_HOLD_S] > 0
+    assert transfer.attributes[sc.ATTR_BYTES] == 0
     assert sc.ATTR_BLOCK_IDS not in transfer.attributes  # it named none
     assert lane_slot(obs, "send").route is obs._routes["send"]
     exemplar = REGISTRIES[id(obs)].collect()
@@ -451,7 +453,7 @@ def test_a_traced_call_on_the_lane_records_its_span_current_while_the_call_runs(
 
 def test_a_traced_call_naming_blocks_on_the_lane_puts_them_on_its_span(spans):
     provider, exporter = spans
-    obs = observer(tracer_provider=provider)
+    obs = observer(tracer_provider=provider, block_bytes=4096)
 
     @obs.prefetch(block_ids="ids", keys="keys", request_id="rid")
     def load(ids, keys, rid):
@@ -462,6 +464,7 @@ def test_a_traced_call_naming_blocks_on_the_lane_puts_them_on_its_span(spans):
     assert list(span.attributes[sc.ATTR_BLOCK_IDS]) == [7, 3] and span.attributes[sc.ATTR_BLOCKS] == 2
     assert list(span.attributes[sc.ATTR_KEYS]) == ["k7", "k3"]
     assert span.attributes[sc.ATTR_REQUEST_ID] == "req-1"
+    assert span.attributes[sc.ATTR_BYTES] == 2 * 4096 and span.attributes[sc.ATTR_OUTCOME] == "ok"
     assert lane_slot(obs, "prefetch").route is obs._routes["prefetch"]
 
 

@@ -103,7 +103,7 @@ class Recorder:
         self.failed = failures
         self.holder = holder
         self.traces = self.tracer_source is not None and not holder
-        # an ok transfer with no span is then only counted: `counted_ok` suffices (no hook, no log line)
+        # an ok fast-lane call then needs only `counted_ok` (no hook, no log line; its span, if any, ended there)
         self.counts_only = not self.hooks and _LEVEL[sc.OUTCOME_OK] < self.log_level
         self.block_bytes = block_bytes or 0
         self.lock_name = lock_name
@@ -235,7 +235,9 @@ class Recorder:
                 except Exception as exc:  # noqa: BLE001
                     self.failed("metrics", exc)
             if span is not None:
-                self._finish_span(t, span, wait, hold, nbytes)
+                t.span = None
+                self._close_span(span, t.outcome, t.error, {sc.ATTR_LOCK_WAIT_S: wait, sc.ATTR_LOCK_HOLD_S: hold,
+                                                            sc.ATTR_OUTCOME: t.outcome, sc.ATTR_BYTES: nbytes})
             level = _LEVEL.get(t.outcome, logging.ERROR)
             if level >= self.log_level:
                 self._log(level, "kvobs.transfer", t, span, outcome=t.outcome, blocks=blocks, duration_s=duration,
@@ -245,26 +247,23 @@ class Recorder:
         except Exception as exc:  # noqa: BLE001 - whatever this layer gets wrong, the engine's call is unaffected
             self.failed("metrics", exc)
 
-    def counted_ok(self, begin: float, end: float, given: Any = None) -> None:
-        """`ended` for an ok fast-lane call (`kvobs.fast_lane`: no span, no wait) when `counts_only`: its one
-        telemetry call. `given`: what the call named (`kvobs.lane_values.LaneValues`), or None."""
+    def counted_ok(self, begin: float, end: float, given: Any = None, span: Any = None) -> None:
+        """`ended` for an ok fast-lane call (`kvobs.fast_lane`: no wait) when `counts_only` (no hook, no log
+        line): its one telemetry call. `given`: what the call named (`kvobs.lane_values.LaneValues`), or None;
+        `span`: the call's span, ended here, or None."""
+        held = end - begin
+        nbytes = 0
         metrics = self.metrics
         if metrics is not None:
             try:
-                held = end - begin
                 blocks, nbytes = (0, 0) if given is None else self._size(given.blocks, given.nbytes)
-                metrics.finished(sc.OUTCOME_OK, held, 0.0, held, blocks, nbytes, None)
+                metrics.finished(sc.OUTCOME_OK, held, 0.0, held, blocks, nbytes,
+                                 None if span is None else self._exemplar(span))
             except Exception as exc:  # noqa: BLE001
                 self.failed("metrics", exc)
-
-    def _finish_span(self, t: Ended, span: Any, wait: float, hold: float, nbytes: int) -> None:
-        try:
-            if span.is_recording():
-                span.set_attributes({sc.ATTR_LOCK_WAIT_S: wait, sc.ATTR_LOCK_HOLD_S: hold,
-                                     sc.ATTR_OUTCOME: t.outcome, sc.ATTR_BYTES: nbytes})
-        except Exception as exc:  # noqa: BLE001
-            self.failed("tracing", exc)
-        self._end_span(t)
+        if span is not None:
+            self._close_span(span, sc.OUTCOME_OK, None, {sc.ATTR_LOCK_WAIT_S: 0.0, sc.ATTR_LOCK_HOLD_S: held,
+                                                         sc.ATTR_OUTCOME: sc.OUTCOME_OK, sc.ATTR_BYTES: nbytes})
 
     # -- helpers ----------------------------------------------------------------------------------------
 
@@ -280,21 +279,28 @@ class Recorder:
             return None
 
     def _end_span(self, t: Ended) -> None:
-        """Error status and `error.type` on failure; the exception's text is read defensively (its __str__
-        or __repr__ may raise) and the span is always ended."""
+        """End the transfer's span, if it has one not yet ended, as its outcome says."""
         span = t.span
-        if span is None:
-            return
-        t.span = None
+        if span is not None:
+            t.span = None
+            self._close_span(span, t.outcome, t.error)
+
+    def _close_span(self, span: Any, outcome: str | None, error: BaseException | None,
+                    attributes: dict[str, Any] | None = None) -> None:
+        """Set `attributes` (the end's wait, hold, outcome, bytes), error status and `error.type` on failure or
+        abandonment, on a span that records; always end it. The exception's text is read defensively (its
+        __str__ or __repr__ may raise)."""
         try:
-            error = t.error
-            if error is not None and span.is_recording():
-                span.set_attribute(sc.ATTR_ERROR_TYPE, type(error).__qualname__)
-                span.set_status(Status(StatusCode.ERROR, _describe(error)))
-                span.record_exception(error)
-            elif t.outcome == sc.OUTCOME_ABANDONED and span.is_recording():
-                span.set_attribute(sc.ATTR_ERROR_TYPE, sc.OUTCOME_ABANDONED)
-                span.set_status(Status(StatusCode.ERROR, "never completed before its deadline"))
+            if span.is_recording():
+                if attributes:
+                    span.set_attributes(attributes)
+                if error is not None:
+                    span.set_attribute(sc.ATTR_ERROR_TYPE, type(error).__qualname__)
+                    span.set_status(Status(StatusCode.ERROR, _describe(error)))
+                    span.record_exception(error)
+                elif outcome == sc.OUTCOME_ABANDONED:
+                    span.set_attribute(sc.ATTR_ERROR_TYPE, sc.OUTCOME_ABANDONED)
+                    span.set_status(Status(StatusCode.ERROR, "never completed before its deadline"))
         except Exception as exc:  # noqa: BLE001
             self.failed("tracing", exc)
         finally:
