@@ -121,8 +121,8 @@ def test_pieces_chunks_and_runs_have_no_blind_spot(monkeypatch):
 
 
 def test_threads_split_large_checks_and_miss_nothing(monkeypatch):
-    """Three threads take chunks of one id from the same counters: every finding of both tensors (two
-    widths, two block sizes) is found wherever it is, whichever thread read its block."""
+    """Three threads take chunks of one id from the same counters and raise the same flags: every finding of
+    both tensors (two widths, two block sizes) is found wherever it is, whichever thread read its block."""
     monkeypatch.setattr(threads, "MIN_BYTES_PER_THREAD", 1)
     monkeypatch.setattr(kernel, "CHUNK_BYTES", 1)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
@@ -138,8 +138,9 @@ def test_threads_split_large_checks_and_miss_nothing(monkeypatch):
             tensor[ids[position], 3, 63] = float("inf")
             expect(check_blocks([keys, values], ids, method="kernel"), inf={ids[position]})
             tensor[ids[position], 3, 63] = 1
-            assert shares and all(counters is shares[0][2] for _, _, counters in shares)  # one set of counters
-            assert all(claimed > len(ids) for claimed in shares[0][2])  # every chunk of both tensors was claimed
+            first = shares[0]
+            assert shares and all(s[2] is first[2] and s[3] is first[3] for s in shares)  # one flags, one counters
+            assert all(claimed > len(ids) for claimed in shares[0][3])  # every chunk of both tensors was claimed
 
 
 def test_a_share_no_pool_thread_began_is_taken_back(monkeypatch):

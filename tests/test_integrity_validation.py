@@ -126,7 +126,9 @@ def test_block_ids_beyond_the_cache():
             check_blocks(validated, ids)
         with pytest.raises(IndexError, match=rf"block id {bad} out of range"):
             validated.block_ids(ids)
-    assert validated.block_ids([15, 0, 15]) == [0, 15]
+    for ids in ([15, 0, 15], (15, 0, 15), np.array([15, 0, 15]), torch.tensor([15, 0, 15])):
+        normalized = validated.block_ids(ids)
+        assert normalized.dtype == np.int64 and normalized.tolist() == [0, 15]
 
 
 @pytest.mark.parametrize(

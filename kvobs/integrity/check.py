@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 from kvobs.integrity.result import CheckResult
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from kvobs.integrity.layout import ValidatedCache
 
 METHODS = ("auto", "kernel", "torch")
@@ -37,36 +39,27 @@ def check_blocks(
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
     validated = validate_cache(cache, block_dim=block_dim)
     ids = validated.block_ids(block_ids)
-    if not ids:
+    if not ids.shape[0]:
         return CheckResult(0, (), ())
     nan, bad = _bad_blocks(validated, ids, method)
-    return CheckResult(len(ids), tuple(sorted(nan)), tuple(sorted(bad - nan)))
+    return CheckResult(ids.shape[0], tuple(sorted(nan)), tuple(sorted(bad - nan)))
 
 
-def _bad_blocks(validated: ValidatedCache, ids: list[int], method: str) -> tuple[set[int], set[int]]:
+def _bad_blocks(validated: ValidatedCache, ids: np.ndarray, method: str) -> tuple[set[int], set[int]]:
     """(NaN ids, non-finite ids) over all tensors, each read by the method chosen for it."""
-    import numpy as np
-
-    import kvobs.integrity.kernel as kernel
     import kvobs.integrity.threads as threads
     import kvobs.integrity.torch_path as torch_path
 
-    pairs = [(t, plan) for t, plan in zip(validated.tensors, validated.plans) if t.numel()]  # empty: nothing to read
-    by_kernel = [plan for _, plan in pairs if plan is not None and method != "torch"]
-    by_torch = [t for t, plan in pairs if plan is None or method == "torch"]
-    if by_torch and method == "kernel":
-        reason = kernel.unavailable_reason() or "a GPU tensor, or a layout or dtype the kernel does not read"
-        raise ValueError(f"method='kernel' cannot check {len(by_torch)} of the cache's tensors: {reason}")
+    by_kernel, by_torch = validated.split(method)
     nan: set[int] = set()
     bad: set[int] = set()
     if by_kernel:
-        id_array = np.asarray(ids, dtype=np.int64)
-        flags = threads.mark(by_kernel, id_array)  # 2: NaN, 1: Inf, 0: clean
-        if flags.any():
-            nan.update(id_array[flags == 2].tolist())
-            bad.update(id_array[flags != 0].tolist())
+        flags, found = threads.mark(by_kernel, ids)  # flags: 2 NaN, 1 Inf, 0 clean
+        if found:
+            nan.update(ids[flags == 2].tolist())
+            bad.update(ids[flags != 0].tolist())
     if by_torch:
-        torch_nan, torch_bad = torch_path.bad_blocks(by_torch, ids, validated.block_dim)
+        torch_nan, torch_bad = torch_path.bad_blocks(by_torch, ids.tolist(), validated.block_dim)
         nan |= torch_nan
         bad |= torch_bad
     return nan, bad

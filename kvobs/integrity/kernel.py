@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,22 +55,27 @@ class KernelPlan:
     bits: NonFiniteBits
     rule: np.ndarray  # mask, flip, bad_min, nan_min as words (read-only)
     test: np.ndarray  # the lane test over 64-bit words (`bits.lane_test`, read-only)
+    block_bytes: int  # bytes read per checked block
+    entry: Callable[..., int]  # the compiled kernel for these words (`kernel_numba.ready`)
 
-    @property
-    def block_bytes(self) -> int:
-        """Bytes read per checked block."""
-        return self.segments.shape[0] * self.length * self.bits.width
-
-    def mark(self, ids: np.ndarray, flags: np.ndarray, counter: np.ndarray) -> None:
+    def mark(self, ids: np.ndarray, flags: np.ndarray, counter: np.ndarray) -> int:
         """Raise flags[j] to 2 where block ids[j] holds a NaN, else to 1 where it holds an Inf, for the chunks
-        of ids this call claims from `counter`.
+        of ids this call claims from `counter`; returns how many runs held either (0: flags untouched).
 
-        ids: int64, distinct, in range; flags: uint8, one per id, shared by all the tensors of a cache;
-        counter: one int64, 0 at first, shared by every thread that checks these ids of this tensor.
+        ids: int64, distinct, in range; flags: uint8, one per id, shared by all the tensors of a cache and
+        every thread; counter: one int64, 0 at first, shared by every thread that checks these ids of this
+        tensor. All three must be C-contiguous and writable: the entry point trusts its argument types.
         """
         chunk = max(1, CHUNK_BYTES // self.block_bytes)
         layout = (self.block_stride, self.segments, self.length)
-        _compiled.block_flags(self.words, ids, *layout, self.rule, self.test, flags, chunk, counter)
+        return self.entry(self.words, ids, *layout, self.rule, self.test, flags, chunk, counter)
+
+
+def distinct_sorted(ids: np.ndarray) -> np.ndarray:
+    """The distinct values of a writable int64 array, sorted: in place by the kernel when it is loaded."""
+    if _compiled is None:
+        return np.unique(ids)
+    return ids[: _compiled.distinct_sorted()(ids)]
 
 
 def unavailable_reason() -> str | None:
@@ -99,11 +105,12 @@ def plan(tensor: Any, block_dim: int) -> KernelPlan | None:
     words = _words(tensor, bits.width)
     if words is None:
         return None
-    _load().ready(words.dtype.type)
+    entry = _load().ready(words.dtype.type)
     rule = np.array((bits.mask, bits.flip, bits.bad_min, bits.nan_min), dtype=words.dtype)
     test = np.array(lane_test(bits), dtype=np.uint64)
     rule.flags.writeable = test.flags.writeable = False
-    return KernelPlan(words, strides[block_dim], segments, length, bits, rule, test)
+    block_bytes = segments.shape[0] * length * bits.width
+    return KernelPlan(words, strides[block_dim], segments, length, bits, rule, test, block_bytes, entry)
 
 
 def _words(tensor: Any, width: int) -> np.ndarray | None:
@@ -140,4 +147,5 @@ def _compile() -> Any:
     import kvobs.integrity.kernel_numba as kernel_numba
 
     kernel_numba.ready(np.uint16)  # compiles the kernel once: a failure shows here, not inside a check
+    kernel_numba.distinct_sorted()
     return kernel_numba

@@ -56,6 +56,20 @@ def _claim(typingctx: Any, counter: Any) -> Any:
     return numba.types.int64(counter), codegen
 
 
+@intrinsic
+def _raise_flag(typingctx: Any, flags: Any, index: Any, value: Any) -> Any:
+    """flags[index] = max(flags[index], value), atomically: threads reading different tensors of one cache
+    raise the same flags."""
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        byte = context.cast(builder, args[2], signature.args[2], numba.types.uint8)
+        builder.atomic_rmw("umax", builder.gep(data, [args[1]]), byte, "monotonic")
+        return context.get_dummy_value()
+
+    return numba.types.void(flags, index, value), codegen
+
+
 @_jit
 def _max_key(part, mask, flip, key):  # type: ignore[no-untyped-def]
     """max(key, largest (w & mask) ^ flip over part): the exact verdict, run only on pieces found bad."""
@@ -99,7 +113,7 @@ def _verdicts(words, ids, block_stride, segments, length, first, count, rule, fl
         segment, j = divmod(piece, ids.shape[0])
         start = segments[segment] + ids[j] * block_stride
         key = _max_key(words[start : start + length], mask, flip, mask ^ mask)
-        flags[j] = max(flags[j], 2 if key >= nan_min else (1 if key >= bad_min else 0))
+        _raise_flag(flags, j, 2 if key >= nan_min else (1 if key >= bad_min else 0))
 
 
 @_jit
@@ -134,13 +148,14 @@ def _prefetch_run(words, start, size):  # type: ignore[no-untyped-def]
 
 @_jit
 def _check_chunk(words, ids, block_stride, segments, length, rule, test, flags, after):  # type: ignore[no-untyped-def]
-    """block_flags over one chunk of ids; `after` is where the next chunk starts (-1: none), prefetched
-    while the chunk's last run is read."""
+    """block_flags over one chunk of ids, returning how many runs held something non-finite; `after` is
+    where the next chunk starts (-1: none), prefetched while the chunk's last run is read."""
     per_word = 8 // words.itemsize
     top = test[4]
     n = ids.shape[0]
     firsts, counts = _runs(ids, block_stride, segments, length)
     runs = firsts.shape[0]
+    bad = 0
     for r in range(runs):
         if r + 1 < runs:
             _prefetch_run(words, segments[firsts[r + 1] // n] + ids[firsts[r + 1] % n] * block_stride,
@@ -151,11 +166,14 @@ def _check_chunk(words, ids, block_stride, segments, length, rule, test, flags, 
         wide = words[start : start + size // per_word * per_word].view(np.uint64)
         if _run_is_bad(words, start, size, rule, top, _lane_test(wide, test, top ^ top)):
             _verdicts(words, ids, block_stride, segments, length, firsts[r], counts[r], rule, flags)
+            bad += 1
+    return bad
 
 
 @_jit
 def block_flags(words, ids, block_stride, segments, length, rule, test, flags, chunk, counter):  # type: ignore[no-untyped-def]
-    """flags[j] = max(itself, 2 if block ids[j] holds a NaN, else 1 if it holds an Inf).
+    """flags[j] = max(itself, 2 if block ids[j] holds a NaN, else 1 if it holds an Inf); returns how many
+    runs this call found non-finite values in (0: nothing to look at in flags).
 
     rule: (mask, flip, bad_min, nan_min) of the format, as words; test: its lane test (`bits.lane_test`).
 
@@ -166,38 +184,69 @@ def block_flags(words, ids, block_stride, segments, length, rule, test, flags, c
     The ids are taken `chunk` at a time from the shared `counter` (counter[0], claimed atomically), so
     that threads calling this with the same counter share the work however fast each of them runs: a
     thread that gets no core only leaves more chunks to the others. Each chunk is claimed one ahead, so
-    the next chunk's first block is prefetched like any next run.
+    the next chunk's first block is prefetched like any next run. Threads share `flags` too: each raises
+    them atomically.
     """
     n = ids.shape[0]
+    bad = 0
     lo = _claim(counter) * chunk
     while lo < n:
         hi = min(n, lo + chunk)
         after = _claim(counter) * chunk
         start = segments[0] + ids[after] * block_stride if after < n else -1
-        _check_chunk(words, ids[lo:hi], block_stride, segments, length, rule, test, flags[lo:hi], start)
+        bad += _check_chunk(words, ids[lo:hi], block_stride, segments, length, rule, test, flags[lo:hi], start)
         lo = after
+    return bad
 
 
-def ready(word: type) -> None:
-    """Compile (or load from the disk cache) the kernel for one word width, once: at validation, not inside
-    the first check. Thread-safe (numba compiles under its own lock; a repeat is a no-op)."""
-    if word in _ready:
-        return
+@_jit
+def _distinct_sorted(ids):  # type: ignore[no-untyped-def]
+    """Sort ids in place, move the distinct ones to the front and return how many there are."""
+    ids.sort()
+    count = 0
+    for i in range(ids.shape[0]):
+        if count == 0 or ids[i] != ids[count - 1]:
+            ids[count] = ids[i]
+            count += 1
+    return count
+
+
+def ready(word: type) -> Callable[..., int]:
+    """block_flags for one word width, compiled (or loaded from the disk cache) once: at validation, not
+    inside the first check. Thread-safe (numba compiles under its own lock; a repeat is a no-op).
+
+    Returned is the compiled entry point itself, which skips numba's per-call type dispatch (about 15 us of
+    a check that starts with cold CPU caches). It trusts its arguments: call it only with arrays of exactly
+    the compiled types (`kernel.plan` builds them), never with a caller's own arrays.
+    """
+    entry = _entries.get(word)
+    if entry is not None:
+        return entry
+
     def array(dtype: Any, readonly: bool = True) -> Any:
         return numba.types.Array(numba.from_dtype(np.dtype(dtype)), 1, "C", readonly=readonly)
 
     count = numba.types.int64
     ints, flags = array(np.int64, readonly=False), array(np.uint8, readonly=False)  # ints: ids and counter
-    block_flags.compile(
+    entry = block_flags.compile(
         (array(word), ints, count, array(np.int64), count, array(word), array(np.uint64), flags, count, ints)
     )
-    # The first call also resolves the argument types: keep that out of the first check too.
+    # A first call pages the compiled code in: keep that out of the first check too.
     sample, segments, rule, test = np.zeros(1, word), np.zeros(1, np.int64), np.ones(4, word), np.zeros(5, np.uint64)
-    for readonly in (sample, segments, rule, test):
-        readonly.flags.writeable = False
     one_id, one_flag, counter = np.zeros(1, np.int64), np.zeros(1, np.uint8), np.zeros(1, np.int64)
-    block_flags(sample, one_id, 1, segments, 1, rule, test, one_flag, 1, counter)
-    _ready.add(word)
+    entry(sample, one_id, 1, segments, 1, rule, test, one_flag, 1, counter)
+    _entries[word] = entry
+    return entry
 
 
-_ready: set[type] = set()
+def distinct_sorted() -> Callable[[np.ndarray], int]:
+    """`_distinct_sorted` for a writable int64 array, as a compiled entry point (see `ready`)."""
+    global _distinct_entry
+    if _distinct_entry is None:
+        _distinct_entry = _distinct_sorted.compile((numba.types.Array(numba.types.int64, 1, "C"),))
+        _distinct_entry(np.zeros(1, np.int64))
+    return _distinct_entry
+
+
+_entries: dict[type, Callable[..., int]] = {}
+_distinct_entry: Callable[[np.ndarray], int] | None = None

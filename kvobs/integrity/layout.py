@@ -11,15 +11,17 @@ memory, without a copy.
 
 from __future__ import annotations
 
+import functools
 import operator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 import kvobs.integrity.kernel as kernel
 from kvobs.integrity.bits import NO_NON_FINITE, non_finite_bits
-from kvobs.integrity.ids import normalize_ids
+from kvobs.integrity.ids import id_array
 
 
 @dataclass(frozen=True, eq=False)
@@ -48,9 +50,27 @@ class ValidatedCache:
         """Per tensor, how `check_blocks(method="auto")` reads it: "kernel" (compiled, CPU) or "torch"."""
         return tuple("torch" if p is None else "kernel" for p in self.plans)
 
-    def block_ids(self, block_ids: Any) -> list[int]:
-        """The ids, sorted and distinct; TypeError for non-integers, IndexError for ids beyond the cache."""
-        return normalize_ids(block_ids, self.num_blocks)
+    def split(self, method: str) -> tuple[list[kernel.KernelPlan], list[torch.Tensor]]:
+        """(plans the kernel reads, tensors the torch path reads) for a check method; empty tensors are in
+        neither. ValueError for method="kernel" where some tensor cannot use it."""
+        if method == "torch":
+            return [], [t for t in self.tensors if t.numel()]
+        by_kernel, by_torch = self._auto_split
+        if by_torch and method == "kernel":
+            reason = kernel.unavailable_reason() or "a GPU tensor, or a layout or dtype the kernel does not read"
+            raise ValueError(f"method='kernel' cannot check {len(by_torch)} of the cache's tensors: {reason}")
+        return by_kernel, by_torch
+
+    @functools.cached_property
+    def _auto_split(self) -> tuple[list[kernel.KernelPlan], list[torch.Tensor]]:
+        """`split("auto")`, worked out on the first check rather than on every one."""
+        pairs = [(t, plan) for t, plan in zip(self.tensors, self.plans) if t.numel()]
+        return [plan for _, plan in pairs if plan is not None], [t for t, plan in pairs if plan is None]
+
+    def block_ids(self, block_ids: Any) -> np.ndarray:
+        """The ids, sorted and distinct (int64); TypeError for non-integers, IndexError for ids beyond the
+        cache."""
+        return id_array(block_ids, self.num_blocks)
 
     def __repr__(self) -> str:
         return (

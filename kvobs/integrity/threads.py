@@ -5,8 +5,12 @@ Why: one core cannot saturate memory bandwidth; torch's own reductions use all o
 The threads share the work dynamically: each takes the next chunk of blocks from a per-tensor counter
 (see `kernel_numba.block_flags`), so a thread that gets its core late (another process, or torch's own
 OpenMP threads still spinning after the last torch op) only leaves more chunks to the others instead of
-holding up the check. Each thread marks its own flags array (no shared writes, no locks); the caller takes
-part in the work, so a check makes progress even while other checks keep the pool busy.
+holding up the check. All threads raise the same flags array (atomically, in the kernel); the caller
+takes part in the work, so a check makes progress even while other checks keep the pool busy.
+
+A share is claimed with a lock that the pool thread holds while it reads: the caller, done with its own
+chunks, takes each lock back (no pool thread began that share: it will skip it) or waits on it (one is
+reading its last chunk). Nothing is allocated per check beyond that lock and the flags.
 
 The pool is a few daemon threads on one `queue.SimpleQueue`: handing them a share costs about 25 us where
 `ThreadPoolExecutor.submit` cost about 110 us (measured on 2 vCPUs, workers parked), time the caller's own
@@ -31,49 +35,55 @@ _jobs: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
 _started = 0
 
 
-def mark(plans: list[KernelPlan], ids: np.ndarray) -> np.ndarray:
-    """Per id (int64, distinct, in range): 2 if that block holds a NaN in any plan's tensor, else 1 if an
-    Inf, else 0."""
+def mark(plans: list[KernelPlan], ids: np.ndarray) -> tuple[np.ndarray, int]:
+    """(flags, found): per id (int64, distinct, in range), 2 if that block holds a NaN in any plan's tensor,
+    else 1 if an Inf, else 0; `found` is 0 when every flag is 0."""
     import torch
 
     counters = np.zeros(len(plans), dtype=np.int64)  # per plan: the next chunk of ids to claim
+    flags = np.zeros(ids.shape[0], dtype=np.uint8)  # shared: the kernel raises flags atomically
     per_block = sum(plan.block_bytes for plan in plans)
-    helpers = min(torch.get_num_threads(), len(ids) * per_block // MIN_BYTES_PER_THREAD) - 1
-    replies: queue.SimpleQueue[tuple[np.ndarray | None, BaseException | None]] = queue.SimpleQueue()
+    helpers = min(torch.get_num_threads(), ids.shape[0] * per_block // MIN_BYTES_PER_THREAD) - 1
+    outcomes: list[int | BaseException] = []
     claims = [threading.Lock() for _ in range(helpers)]
     if claims:
         _start_workers(len(claims))
     for claim in claims:
-        _jobs.put((claim, plans, ids, counters, replies))
-    flags = _mark_share(plans, ids, counters)
-    # A share no pool thread has begun has nothing left to read: take it back rather than wait for a thread.
-    for _ in range(sum(not claim.acquire(blocking=False) for claim in claims)):
-        share, error = replies.get()
-        if error is not None:
-            raise error
-        np.maximum(flags, share, out=flags)
-    return flags
+        _jobs.put((claim, plans, ids, flags, counters, outcomes))
+    found = _mark_share(plans, ids, flags, counters)
+    for claim in claims:
+        # Taken at once: no pool thread began this share (it will skip it), or one finished it. Else one is
+        # reading its last chunk: wait for it.
+        if not claim.acquire(blocking=False):
+            claim.acquire()
+    for outcome in outcomes:
+        if isinstance(outcome, BaseException):
+            raise outcome
+        found += outcome
+    return flags, found
 
 
-def _mark_share(plans: list[KernelPlan], ids: np.ndarray, counters: np.ndarray) -> np.ndarray:
+def _mark_share(plans: list[KernelPlan], ids: np.ndarray, flags: np.ndarray, counters: np.ndarray) -> int:
     """One thread's share: the chunks of every plan it claims before the other threads do."""
-    flags = np.zeros(ids.shape[0], dtype=np.uint8)
+    found = 0
     for i, plan in enumerate(plans):
-        plan.mark(ids, flags, counters[i : i + 1])
-    return flags
+        found += plan.mark(ids, flags, counters[i : i + 1])
+    return found
 
 
 def _work(jobs: queue.SimpleQueue[tuple[Any, ...]]) -> None:
-    """A pool thread: runs shares forever, each one it claims answered on its check's reply queue (errors
-    too)."""
+    """A pool thread: runs shares forever; each one it claims is held until done, its outcome (or error)
+    left for the checking thread."""
     while True:
-        claim, plans, ids, counters, replies = jobs.get()
+        claim, plans, ids, flags, counters, outcomes = jobs.get()
         if not claim.acquire(blocking=False):
             continue  # taken back by the checking thread: it read every chunk itself
         try:
-            replies.put((_mark_share(plans, ids, counters), None))
+            outcomes.append(_mark_share(plans, ids, flags, counters))
         except BaseException as exc:  # noqa: BLE001 - raised in the checking thread
-            replies.put((None, exc))
+            outcomes.append(exc)
+        finally:
+            claim.release()
 
 
 def pool_size() -> int:
