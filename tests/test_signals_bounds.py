@@ -25,7 +25,7 @@ from test_signals import ENGINE, FakeClock, RecordingLogger, counts, make_metric
 
 from kvobs import semconv as sc
 from kvobs.signals import EarlySignalBuffer, SignalBufferFull, StepAlignedSignalBuffer
-from kvobs.signals.reporting import LOG_INTERVAL_S
+from kvobs.signals.reporting import FLUSH_AT, LOG_INTERVAL_S
 from kvobs.telemetry.ratelimit import SUPPRESSED_FIELD
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -214,3 +214,27 @@ def test_multiprocess_counts_reach_the_files_at_exit_once_even_across_fork(tmp_p
     value = lambda outcome: registry.get_sample_value(  # noqa: E731
         sc.SIGNALS_TOTAL, {"engine": "mp", "outcome": outcome})
     assert value("ready") == 5 and value("buffered") == 3
+
+
+def test_waits_noted_by_fast_recoveries_stay_bounded_without_a_scrape_and_all_reach_the_histogram():
+    """register() notes a recovery's wait without counting them; finish() flushes past FLUSH_AT, and the live
+    slots (at most max_slots) bound what is noted between two finish() calls."""
+    registry, metrics = make_metrics()
+    clock, slots = FakeClock(), 300
+    buf = EarlySignalBuffer(metrics=metrics, max_slots=slots, clock=clock)
+    most = 0
+    for _ in range(10):
+        for slot in range(slots):
+            buf.signal(slot, 0, 4)
+        clock.advance(0.25)
+        for slot in range(slots):
+            assert buf.register(slot, 8) == 4
+        most = max(most, len(buf._waits))
+        for slot in range(slots):
+            buf.finish(slot)
+        assert len(buf._waits) < FLUSH_AT + slots
+    assert FLUSH_AT <= most < FLUSH_AT + slots  # register() alone went past FLUSH_AT; finish() flushed
+    found = counts(registry)  # one scrape: the rest is flushed
+    assert found["recovered"] == found["buffered"] == 10 * slots
+    assert registry.get_sample_value(sc.SIGNAL_BUFFERED_SECONDS + "_count", {"engine": ENGINE}) == 10 * slots
+    assert registry.get_sample_value(sc.SIGNAL_BUFFERED_SECONDS + "_sum", {"engine": ENGINE}) == 10 * slots * 0.25

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import gc
 import signal
+import threading
 import time
 
 import pytest
 from prometheus_client import CollectorRegistry
 
 import kvobs
+from kvobs.signals.core import held
 
 
 class Storm(Exception):
@@ -86,3 +88,13 @@ def test_interrupt_storm_over_signal_buffer_calls_never_leaves_its_lock_held(kin
     interrupted, leaked = _storm(Cycle(buffer))
     assert interrupted > 500
     assert leaked == 0, f"{leaked} of {interrupted} interrupted calls left the buffer's lock held"
+
+
+def test_held_takes_and_releases_the_lock_it_wraps_as_with_lock_does():
+    lock = threading.Lock()
+    with held(lock) as acquired:
+        assert acquired is True and lock.locked()
+    assert not lock.locked()
+    with pytest.raises(KeyError), held(lock):
+        raise KeyError("inside")
+    assert not lock.locked()

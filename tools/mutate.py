@@ -203,12 +203,15 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
            ("EarlySignalBuffer.signal", "if now <= self._expire_at and len(pending) < self._max_pending:",
             ("'<=' -> '<'", "condition -> False")),
            ("EarlySignalBuffer.register",
-            "if now <= self._expire_at and tokens <= need_tokens and self._quiet_recoveries:",
+            "if now <= self._expire_at and tokens <= need_tokens and len(live) < self._quiet_room:",
             ("'<=' -> '<'", "condition -> False")),
+           ("EarlySignalBuffer.register", "elif slot not in self._live and len(self._live) < self._max_slots:",
+            ("condition -> False",)),
            ("EarlySignalBuffer.finish", "if slot not in self._pending:", ("condition -> False",)))
        for mutation in mutations},
-    ("kvobs/signals/immediate.py", "EarlySignalBuffer.register", "if len(waits) >= FLUSH_AT:", "'>=' -> '>'"):
-        "a forced flush one recovery later: the noted waits stay bounded and every one still reaches the metrics",
+    ("kvobs/signals/immediate.py", "EarlySignalBuffer.finish",
+     "if len(self._waits) >= FLUSH_AT:  # bounds the waits register() notes: see the class docstring", "'>=' -> '>'"):
+        "a forced flush one finish() later: the noted waits stay bounded and every one still reaches the metrics",
     **{("kvobs/signals/core.py", "SignalBufferCore._evict_oldest_locked", line, mutation):
        "performance only: compacting rebuilds the same dict in the same order; how often it runs changes only "
        "how far the walk to the oldest entry goes"

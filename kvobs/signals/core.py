@@ -2,8 +2,9 @@
 
 Why one core: `EarlySignalBuffer` decides at each call, `StepAlignedSignalBuffer` at each step boundary in a
 canonical order, but a signal, a registration, a finish, an expiry and an overflow must mean the same in both.
-Each `_*_locked` method is one atomic decision taken with `self._lock` held: it counts its outcome in the tally
-and appends what must be described to `out` (span events and logs run after the lock is released).
+Each `_*_locked` method is one atomic decision taken with `self._lock` held (entered as `with self._held:`): it
+counts its outcome in the tally and appends what must be described to `out` (span events and logs run after the
+lock is released).
 
 Lock order: caller's locks -> buffer lock, never the reverse. Under its lock a buffer calls only the injected
 `clock` (which must not block or call back) and, when it flushes its tally, the metric children's `inc`.
@@ -12,8 +13,9 @@ Policies:
 - A layer0 signal claiming more tokens than its task needs cannot belong to it: `dropped_invalid`, whether it
   was pending at registration or arrives for a live slot.
 - Repeated early signals for one slot update its single pending entry: the largest cumulative token count
-  wins whatever the arrival order; the age counts from the first. `buffered` counts entries, not repeats, so
-  buffered = recovered + dropped_invalid (of pending ones) + dropped_finished + expired + overflow + pending.
+  wins whatever the arrival order; the age counts from the first. `buffered` counts entries, not repeats:
+  buffered = recovered + dropped_invalid (of pending ones) + dropped_finished + expired + overflow + pending,
+  which is how the tally derives it.
 - A late layer0 signal for a finished slot looks exactly like an early one for the slot's next task (signals
   carry no request id), so it is buffered like one; the TTL, `max_pending`, `finish()` and the registration's
   token check all remove it.
@@ -28,6 +30,7 @@ import math
 import threading
 import weakref
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 from kvobs import semconv as sc
@@ -47,7 +50,6 @@ from kvobs.signals.records import (
     ready_signal,
 )
 from kvobs.signals.reporting import (
-    BUFFERED,
     EXPIRED,
     FINISHED,
     FLUSH_AT,
@@ -62,6 +64,16 @@ from kvobs.telemetry.failures import STAGE_METRICS
 
 DEFAULT_MAX_SLOTS = 16384
 EXPIRY_DUE = -math.inf  # `_expire_at` while nothing is pending: the next signal buffered takes the general path
+
+
+def held(lock: threading.Lock) -> AbstractContextManager[bool]:
+    """`with held(lock):` is `with lock:` at about two thirds of the cost (108 against 158 ns here).
+
+    `with` looks `__enter__` and `__exit__` up on the type, and for a lock each lookup builds a new bound method.
+    This one-off class holds the lock's own bound methods, which `with` finds ready. The same C functions run,
+    so an asynchronous exception leaves the lock exactly as it would leave `with lock:`.
+    """
+    return type("Held", (), {"__slots__": (), "__enter__": lock.__enter__, "__exit__": lock.__exit__})()
 
 
 class SignalBufferCore:
@@ -79,6 +91,7 @@ class SignalBufferCore:
         if as_int(max_slots, "max_slots") < 1:
             raise ValueError("max_slots must be >= 1")
         self._lock = threading.Lock()
+        self._held = held(self._lock)
         self._clock = clock
         self._ttl = ttl
         self._max_pending = max_pending
@@ -91,7 +104,7 @@ class SignalBufferCore:
         # nothing pending expires before this: one compare decides a lazy sweep. Whenever nothing is pending it
         # is at most (next signal's time + ttl), so a signal buffered without the general path is never late.
         self._expire_at = EXPIRY_DUE
-        self._reporter = SignalReporter(self._lock, metrics, logger, log_level, clock)
+        self._reporter = SignalReporter(self._lock, self._pending, metrics, logger, log_level, clock)
         self._describe_recoveries = self._reporter.describes(sc.SIGNAL_RECOVERED)
         self._tally = self._reporter.tally
         self._counts, self._waits = self._tally.counts, self._tally.waits
@@ -110,6 +123,7 @@ class SignalBufferCore:
     def _after_fork_in_child(self) -> None:
         """A lock another thread held at the fork would stay held in the child forever: a new one."""
         self._lock = threading.Lock()
+        self._held = held(self._lock)
         self._tally.renew(self._lock)
 
     # -- reads ------------------------------------------------------------------------------------------------
@@ -126,18 +140,18 @@ class SignalBufferCore:
 
     def oldest_pending_age(self) -> float:
         """Seconds the oldest pending signal has waited; 0.0 when none. Read at scrape time."""
-        with self._lock:
+        with self._held:
             wall = next(iter(self._pending.values()))[WALL] if self._pending else None
         return 0.0 if wall is None else max(0.0, self._clock() - wall)
 
     def registered_slots(self) -> frozenset[int]:
         """Slots with a live task."""
-        with self._lock:
+        with self._held:
             return frozenset(self._live)
 
     def progress(self, slot: int) -> Progress | None:
         """The furthest (tokens, layer) signalled for live `slot`; None if unregistered or no signal yet."""
-        with self._lock:
+        with self._held:
             task = self._live.get(slot)
             if task is None or task[TOKENS] < 0:
                 return None
@@ -178,8 +192,7 @@ class SignalBufferCore:
             self._evict_oldest_locked(wall, out)
         if not pending:
             self._expire_at = now + self._ttl
-        pending[slot] = (tokens, now, wall)
-        self._counts[BUFFERED] += 1
+        pending[slot] = (tokens, now, wall)  # counted by the pending dict itself, see Tally
 
     def _evict_oldest_locked(self, wall: float, out: list[Decision]) -> None:
         """Overflow: the oldest pending signal makes room.
@@ -191,7 +204,7 @@ class SignalBufferCore:
         pending = self._pending
         slot = next(iter(pending))
         entry = pending.pop(slot)
-        self._counts[OVERFLOW] += 1
+        self._tally.dropped(OVERFLOW)
         out.append(decision(sc.SIGNAL_OVERFLOW, slot, entry[KEPT_TOKENS], None, wall - entry[WALL]))
         self._evicted += 1
         if self._evicted > len(pending) // 8 + 64:
@@ -215,7 +228,7 @@ class SignalBufferCore:
         if entry is None or entry[KEPT_TOKENS] > need:
             self._live[slot] = [need, -1, -1]
             if entry is not None:
-                self._counts[INVALID] += 1
+                self._tally.dropped(INVALID)
                 out.append(decision(sc.SIGNAL_DROPPED_INVALID, slot, entry[KEPT_TOKENS], need, wall - entry[WALL]))
             return None
         tokens, waited = entry[KEPT_TOKENS], wall - entry[WALL]
@@ -238,7 +251,7 @@ class SignalBufferCore:
             _, wall = self._now_locked(out)
             entry = self._pending.pop(slot, None)
             if entry is not None:
-                self._counts[FINISHED] += 1
+                self._tally.dropped(FINISHED)
                 out.append(decision(sc.SIGNAL_DROPPED_FINISHED, slot, entry[KEPT_TOKENS],
                                     None if task is None else task[NEED], wall - entry[WALL]))
 
@@ -255,7 +268,7 @@ class SignalBufferCore:
             out.append(decision(sc.SIGNAL_EXPIRED, slot, entry[KEPT_TOKENS], None, wall - entry[WALL]))
         for slot in expired:
             del pending[slot]
-        self._counts[EXPIRED] += len(expired)
+        self._tally.dropped(EXPIRED, len(expired))
 
 
 _renewed_after_fork = renewed_after_fork(SignalBufferCore._after_fork_in_child)

@@ -21,7 +21,7 @@ from kvobs.errors import SignalBufferFull
 from kvobs.signals.core import DEFAULT_MAX_SLOTS, SignalBufferCore
 from kvobs.signals.inputs import as_int, step_batch
 from kvobs.signals.records import Decision, ReadySignal, ready_signal
-from kvobs.signals.reporting import BUFFERED, FLUSH_AT, READY
+from kvobs.signals.reporting import FLUSH_AT, READY
 from kvobs.telemetry.engine_metrics import EngineMetrics
 
 
@@ -40,7 +40,9 @@ class EarlySignalBuffer(SignalBufferCore):
     else (a drop, an expiry due, a bound reached, a recovery to describe or hand over) changes nothing there
     and is decided again from scratch by the shared core, under the lock taken anew. The lock is taken with
     `with`, never acquire() then try: an asynchronous exception (Ctrl-C) raised as acquire() returns would
-    leave it held.
+    leave it held. A recovery notes its wait without checking how many are noted: each one makes a slot live,
+    and only `finish()` ends a live slot, so `finish()` flushing past FLUSH_AT bounds them to FLUSH_AT +
+    `max_slots`, never more than the live tasks themselves take.
     """
 
     def __init__(
@@ -60,7 +62,9 @@ class EarlySignalBuffer(SignalBufferCore):
         super().__init__(metrics=metrics, logger=logger, ttl=ttl_s, max_pending=max_pending, max_slots=max_slots,
                          clock=clock, log_level=log_level)
         self._on_recovered = on_recovered
-        self._quiet_recoveries = on_recovered is None and not self._describe_recoveries
+        # live tasks below which register() recovers on its fast path: none when a recovery must be described or
+        # handed to on_recovered, which the general path does
+        self._quiet_room = max_slots if on_recovered is None and not self._describe_recoveries else 0
 
     def signal(self, slot: int, layer: int, tokens: int) -> bool:
         """Layer `layer` of `slot` holds `tokens` prompt tokens (cumulative). True if its send starts now
@@ -68,7 +72,7 @@ class EarlySignalBuffer(SignalBufferCore):
         if not (type(slot) is int and type(layer) is int and type(tokens) is int
                 and slot >= 0 and layer >= 0 and tokens >= 0):
             slot, layer, tokens = as_int(slot, "slot"), as_int(layer, "layer"), as_int(tokens, "tokens")
-        lock = self._lock
+        lock = self._held
         with lock:  # the fast path: the same decisions as SignalBufferCore._signal_locked, see the class docstring
             live = self._live
             if slot in live:  # `in` then `[]`: cheaper than get() where the slot is not live
@@ -91,10 +95,10 @@ class EarlySignalBuffer(SignalBufferCore):
                     if tokens > entry[0]:
                         pending[slot] = (tokens, entry[1], entry[2])
                     return False
-                now = self._clock()
+                clock = self._clock  # a local: an instance attribute called as self._clock() is not specialized
+                now = clock()
                 if now <= self._expire_at and len(pending) < self._max_pending:
-                    pending[slot] = (tokens, now, now)
-                    self._counts[BUFFERED] += 1
+                    pending[slot] = (tokens, now, now)  # counted by the pending dict itself, see Tally
                     return False
         out: list[Decision] = []
         with lock:
@@ -115,7 +119,7 @@ class EarlySignalBuffer(SignalBufferCore):
             return []
         out: list[Decision] = []
         ready: list[ReadySignal] = []
-        with self._lock:
+        with self._held:
             for slot, slot_tokens in zip(slot_list, token_list):
                 if self._signal_locked(slot, layer, slot_tokens, out):
                     ready.append(ready_signal(slot, slot_tokens, 0.0))
@@ -134,24 +138,22 @@ class EarlySignalBuffer(SignalBufferCore):
         """
         if not (type(slot) is int and type(need_tokens) is int and slot >= 0 and need_tokens >= 0):
             slot, need_tokens = as_int(slot, "slot"), as_int(need_tokens, "need_tokens")
-        with self._lock:  # the fast path: the same decisions as _registered() below, see the class docstring
-            live = self._live
-            if slot not in live and len(live) < self._max_slots:
-                pending = self._pending
-                if slot not in pending:
-                    live[slot] = [need_tokens, -1, -1]
-                    return None
-                now = self._clock()
-                entry = pending[slot]
+        with self._held:  # the fast path: the same decisions as _registered() below, see the class docstring
+            pending = self._pending
+            entry = pending.get(slot)  # one lookup where a signal waits (`in` then `[]` is two)
+            if entry is not None:  # so not live: a slot leaves `pending` before it enters `live`, never after
+                clock = self._clock  # a local: an instance attribute called as self._clock() is not specialized
+                now = clock()
                 tokens = entry[0]  # pending: (tokens, since, wall)
-                if now <= self._expire_at and tokens <= need_tokens and self._quiet_recoveries:
+                live = self._live
+                if now <= self._expire_at and tokens <= need_tokens and len(live) < self._quiet_room:
                     del pending[slot]
                     live[slot] = [need_tokens, tokens, 0]
-                    waits = self._waits  # the recovery is counted by noting its wait (see Tally)
-                    waits.append(now - entry[2])
-                    if len(waits) >= FLUSH_AT:
-                        self._tally.flush_locked()
+                    self._waits.append(now - entry[2])  # counts the recovery (see Tally); finish() bounds the waits
                     return tokens
+            elif slot not in self._live and len(self._live) < self._max_slots:
+                self._live[slot] = [need_tokens, -1, -1]
+                return None
         return self._registered(slot, need_tokens)
 
     def _registered(self, slot: int, need_tokens: int) -> int | None:
@@ -159,7 +161,7 @@ class EarlySignalBuffer(SignalBufferCore):
         out: list[Decision] = []
         recovered = None
         duplicate = full = False
-        with self._lock:
+        with self._held:
             if slot in self._live:
                 duplicate = True
             elif len(self._live) >= self._max_slots:
@@ -184,8 +186,10 @@ class EarlySignalBuffer(SignalBufferCore):
         """The task of `slot` finished or failed: unregister it and drop any signal still pending for it."""
         if not (type(slot) is int and slot >= 0):
             slot = as_int(slot, "slot")
-        lock = self._lock
+        lock = self._held
         with lock:  # the fast path: nothing pending for the slot, nothing to describe
+            if len(self._waits) >= FLUSH_AT:  # bounds the waits register() notes: see the class docstring
+                self._tally.flush_locked()
             if slot not in self._pending:
                 self._live.pop(slot, None)
                 return
@@ -204,7 +208,7 @@ class EarlySignalBuffer(SignalBufferCore):
     def expire(self) -> int:
         """Drop pending signals older than `ttl_s`; how many."""
         out: list[Decision] = []
-        with self._lock:
+        with self._held:
             now = self._clock()
             self._expire_locked(now, now, out)
         if out:

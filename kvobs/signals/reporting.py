@@ -20,7 +20,7 @@ import functools
 import logging
 import threading
 from bisect import bisect_right
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sized
 from typing import Any
 
 from opentelemetry import trace
@@ -41,7 +41,8 @@ READY, BUFFERED, RECOVERED, INVALID, FINISHED, EXPIRED, OVERFLOW, REFUSED = (
     sc.SIGNAL_OUTCOMES.index(o) for o in (sc.SIGNAL_READY, sc.SIGNAL_BUFFERED, sc.SIGNAL_RECOVERED,
                                           sc.SIGNAL_DROPPED_INVALID, sc.SIGNAL_DROPPED_FINISHED, sc.SIGNAL_EXPIRED,
                                           sc.SIGNAL_OVERFLOW, sc.SIGNAL_REFUSED))
-_NONE_COUNTED = [0] * len(sc.SIGNAL_OUTCOMES)
+DROPPED_PENDING = len(sc.SIGNAL_OUTCOMES)  # Tally.counts' last entry: pending signals dropped (see Tally)
+_NONE_COUNTED = [0] * (DROPPED_PENDING + 1)
 _DROPS = (sc.SIGNAL_DROPPED_INVALID, sc.SIGNAL_DROPPED_FINISHED, sc.SIGNAL_EXPIRED, sc.SIGNAL_OVERFLOW,
           sc.SIGNAL_REFUSED)
 
@@ -49,19 +50,30 @@ _DROPS = (sc.SIGNAL_DROPPED_INVALID, sc.SIGNAL_DROPPED_FINISHED, sc.SIGNAL_EXPIR
 class Tally:
     """Outcome counts and recovered waits of one buffer, changed only under that buffer's lock until flushed.
 
-    `counts` is indexed by the position of each outcome in sc.SIGNAL_OUTCOMES (READY, BUFFERED, ...). A
-    recovery is counted by noting its wait: the recovered count is the number of waits noted, one step less
-    on the hot path."""
+    `counts` is indexed by the position of each outcome in sc.SIGNAL_OUTCOMES (READY, BUFFERED, ...), then
+    DROPPED_PENDING. Two counts are derived, one step less each on the hot paths: a recovery is counted by
+    noting its wait, and a buffered signal by the pending dict itself, as every signal buffered is still
+    pending, recovered or dropped from it (`dropped()` counts those drops twice: by outcome and in
+    DROPPED_PENDING)."""
 
-    __slots__ = ("counts", "waits", "_lock", "_counters", "_add_waits", "_failed")
+    __slots__ = ("counts", "waits", "_lock", "_pending", "_pending_then", "_counters", "_add_waits", "_failed")
 
-    def __init__(self, lock: threading.Lock, metrics: EngineMetrics | None, failed: Failed) -> None:
-        self.counts: list[int] = [0] * len(sc.SIGNAL_OUTCOMES)
+    def __init__(self, lock: threading.Lock, pending: Sized, metrics: EngineMetrics | None,
+                 failed: Failed) -> None:
+        self.counts: list[int] = list(_NONE_COUNTED)
         self.waits: list[float] = []
         self._lock = lock
+        self._pending = pending
+        self._pending_then = len(pending)  # at the last flush
         self._failed = failed
         self._counters = [metrics.signals[o] for o in sc.SIGNAL_OUTCOMES] if metrics is not None else None
         self._add_waits = _histogram_adder(metrics.signal_buffered) if metrics is not None else None
+
+    def dropped(self, outcome: int, n: int = 1) -> None:
+        """`n` pending signals dropped with `outcome` (under the buffer's lock)."""
+        counts = self.counts
+        counts[outcome] += n
+        counts[DROPPED_PENDING] += n
 
     def flush(self) -> None:
         with self._lock:
@@ -69,10 +81,12 @@ class Tally:
 
     def flush_locked(self) -> None:
         """Move everything counted into the metric children; a child that raises loses its delta, counted."""
-        counts, waits = self.counts, self.waits
+        counts, waits, pending = self.counts, self.waits, len(self._pending)
         counts[RECOVERED] += len(waits)
+        counts[BUFFERED] = pending - self._pending_then + counts[RECOVERED] + counts[DROPPED_PENDING]
+        self._pending_then = pending
         if self._counters is not None:
-            for counter, n in zip(self._counters, counts):
+            for counter, n in zip(self._counters, counts):  # DROPPED_PENDING, the last count, has no counter
                 if n:
                     try:
                         counter.inc(n)
@@ -88,6 +102,7 @@ class Tally:
     def renew(self, lock: threading.Lock) -> None:
         """In a forked child: the buffer's new lock; the parent's unflushed counts are the parent's to flush."""
         self._lock = lock
+        self._pending_then = len(self._pending)
         self._clear()
 
     def _clear(self) -> None:
@@ -134,10 +149,10 @@ def _histogram_adder(child: Any) -> Callable[[list[float]], None]:
 
 
 class SignalReporter:
-    """Span events and logs of one buffer's decisions; its `tally` holds the counts, `failed(stage, exc)`
-    takes the telemetry failures."""
+    """Span events and logs of one buffer's decisions; its `tally` holds the counts (`pending`: the buffer's
+    pending signals), `failed(stage, exc)` takes the telemetry failures."""
 
-    def __init__(self, lock: threading.Lock, metrics: EngineMetrics | None, logger: Any | None,
+    def __init__(self, lock: threading.Lock, pending: Sized, metrics: EngineMetrics | None, logger: Any | None,
                  log_level: str | int, clock: Callable[[], float]) -> None:
         level = level_number(log_level)
         # checked here, as the observer does, so an unconfigured structlog never prints a line per request
@@ -151,7 +166,7 @@ class SignalReporter:
         self.failed = failed
         self._log = None if logger is None else RateLimitedLog(
             logger, LOG_INTERVAL_S, clock=clock, on_error=functools.partial(failed, STAGE_LOGGING))
-        self.tally = Tally(lock, metrics, failed)
+        self.tally = Tally(lock, pending, metrics, failed)
 
     def describes(self, outcome: str) -> bool:
         """Whether a decision with `outcome` is ever described (span events describe drops only)."""

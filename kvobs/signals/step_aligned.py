@@ -82,7 +82,7 @@ class StepAlignedSignalBuffer(SignalBufferCore):
         """Record that layer `layer` of `slot` holds `tokens` prompt tokens (cumulative), for `end_step()`."""
         slot, layer, tokens = as_int(slot, "slot"), as_int(layer, "layer"), as_int(tokens, "tokens")
         out: list[Decision] = []
-        with self._lock:
+        with self._held:
             self._stage_signal_locked(slot, layer, tokens, out)
         if out:
             self._reporter.describe(out)
@@ -93,7 +93,7 @@ class StepAlignedSignalBuffer(SignalBufferCore):
         Every value is validated first, so a bad batch records nothing."""
         layer, slot_list, token_list = step_batch(layer, slots, tokens, count)
         out: list[Decision] = []
-        with self._lock:
+        with self._held:
             for slot, slot_tokens in zip(slot_list, token_list):
                 self._stage_signal_locked(slot, layer, slot_tokens, out)
         if out:
@@ -112,7 +112,7 @@ class StepAlignedSignalBuffer(SignalBufferCore):
         """Decide this step's recorded calls in canonical order; the batch every rank releases."""
         out: list[Decision] = []
         batch: list[ReadySignal] = []
-        with self._lock:
+        with self._held:
             self._step += 1
             step = self._step
             self._wall = wall = self._clock()
@@ -148,7 +148,7 @@ class StepAlignedSignalBuffer(SignalBufferCore):
     def _stage_call(self, slot: int, need: int | None) -> None:
         out: list[Decision] = []
         duplicate = full = False
-        with self._lock:
+        with self._held:
             calls = self._staged_calls.get(slot)
             if need is not _FINISH and (calls[-1] is not _FINISH if calls else slot in self._live):
                 duplicate = True
