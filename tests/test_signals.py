@@ -244,6 +244,20 @@ def test_expiry_is_lazy_on_every_call_that_touches_pending_signals(env):
     assert counts(registry)["expired"] == 3 and counts(registry)["dropped_finished"] == 0
 
 
+def test_a_quiet_buffer_never_recovers_an_expired_signal_on_its_fast_path():
+    """Without a logger nothing describes a recovery, so register() recovers inline: the expiry due comes first."""
+    registry, metrics = make_metrics()
+    clock = FakeClock()
+    buf = EarlySignalBuffer(metrics=metrics, clock=clock, ttl_s=10.0)
+    buf.signal(1, 0, 1)
+    clock.advance(6)
+    buf.signal(2, 0, 1)
+    clock.advance(5)  # slot 1 is 11 s old, slot 2 is 5 s old
+    assert buf.register(1, 1) is None
+    assert buf.pending_count == 1 and outcome_count(registry, "expired") == 1
+    assert buf.register(2, 1) == 1 and waited(registry) == 5.0
+
+
 def test_overflow_drops_the_oldest_with_its_age_and_memory_is_bounded(env):
     buf, registry, clock, logger = env
     for slot in range(10):

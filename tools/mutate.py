@@ -206,7 +206,7 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
             "if now <= self._expire_at and tokens <= need_tokens and len(live) < self._quiet_room:",
             ("'<=' -> '<'", "condition -> False")),
            ("EarlySignalBuffer.register", "elif slot not in self._live and len(self._live) < self._max_slots:",
-            ("condition -> False",)),
+            ("condition -> False", "statement removed")),
            ("EarlySignalBuffer.finish", "if slot not in self._pending:", ("condition -> False",)))
        for mutation in mutations},
     ("kvobs/signals/immediate.py", "EarlySignalBuffer.finish",
@@ -223,6 +223,10 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
            ("self._evicted = 0", ("statement removed", "0 -> 1")),
            ("pending.clear()", ("statement removed",)))
        for mutation in mutations},
+    **{("kvobs/signals/core.py", "held",
+        'return type("Held", (), {"__slots__": (), "__enter__": lock.__enter__, "__exit__": lock.__exit__})()',
+        mutation): "cosmetic: the one-off class's name, and whether its single instance has a __dict__"
+       for mutation in ("'Held' -> 'XXHeldXX'", "'__slots__' -> 'XX__slots__XX'")},
     ("kvobs/signals/reporting.py", "SignalReporter.__init__",
      "self._log = None if logger is None else RateLimitedLog(", "condition -> False"):
         "without a logger describe() finds no log level, so the rate-limited log is never used",
