@@ -132,11 +132,25 @@ def test_block_ids_beyond_the_cache():
 
 
 @pytest.mark.parametrize(
-    "ids", [[1.0], [True], ["3"], torch.tensor([1.0]), torch.tensor([True]), np.array([0.5]), [None], None, 3]
+    "ids", [[1.0], [True], ["3"], torch.tensor([1.0]), torch.tensor([True]), np.array([0.5]), [None], None, 3,
+            [3, True], (2, 1.0), [1, 2.5, 3]]
 )
 def test_non_integer_ids(ids):
     with pytest.raises(TypeError, match="integers|iterable"):
         check_blocks(kv(), ids)
+
+
+@pytest.mark.parametrize("ids", [[1, 2**63], (2**70, 3), [-(2**64), 0]])
+def test_ids_beyond_int64_are_named_out_of_range(ids):
+    bad = max(ids) if max(ids) >= NUM_BLOCKS else min(ids)
+    with pytest.raises(IndexError, match=rf"block id {bad} out of range"):
+        check_blocks(kv(), ids)
+
+
+def test_lists_of_other_int_types_take_the_general_path():
+    cache = kv()
+    cache[4, 0, 0] = float("nan")
+    assert check_blocks(cache, [np.int32(4), np.uint8(4), 2]).nan_block_ids == (4,)
 
 
 @pytest.mark.parametrize(("ids", "kind"), [(np.array([0.5]), "a float64 array"), (np.array([True]), "a bool array"),
