@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from kvobs import semconv as sc
 from kvobs.signals import EarlySignalBuffer, Progress, ReadySignal, SignalBufferFull
-from kvobs.signals.reporting import ATTR_WAITED_S
+from kvobs.signals.reporting import ATTR_WAITED_S, LOG_INTERVAL_S
 from kvobs.telemetry.engine_metrics import EngineMetrics
 from kvobs.telemetry.families import MetricFamilies
 
@@ -173,9 +173,21 @@ def test_stale_signal_is_dropped_counted_and_logged_without_touching_other_slots
     assert recovered == [("debug", sc.EVENT_SIGNAL_RECOVERED, {
         sc.ATTR_SLOT: 2, sc.ATTR_TOKENS: 20, sc.ATTR_NEED_TOKENS: 20, sc.ATTR_OUTCOME: "recovered",
         ATTR_WAITED_S: 0.5})]
-    # a live slot's signal that claims more than its task needs is invalid too
+    # a live slot's signal that claims more than its task needs is invalid too; it never waited
+    clock.advance(LOG_INTERVAL_S)  # past the rate limit of dropped_invalid lines
     assert buf.signal(2, 0, 21) is False
     assert outcome_count(registry, "dropped_invalid") == 2
+    assert logger.records[-1] == ("warning", sc.EVENT_SIGNAL_DROPPED, {
+        sc.ATTR_SLOT: 2, sc.ATTR_TOKENS: 21, sc.ATTR_NEED_TOKENS: 20, sc.ATTR_OUTCOME: "dropped_invalid",
+        ATTR_WAITED_S: 0.0})
+
+
+def test_a_signal_of_zero_tokens_is_progress_too():
+    buf = EarlySignalBuffer(clock=FakeClock())
+    buf.register(1, 8)
+    assert buf.progress(1) is None
+    assert buf.signal(1, 0, 0) is True  # no prompt token computed yet, still the layer0 signal
+    assert buf.progress(1) == Progress(0, 0)
 
 
 def test_log_level_is_checked_by_the_buffer():

@@ -223,6 +223,9 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
            ("self._evicted = 0", ("statement removed", "0 -> 1")),
            ("pending.clear()", ("statement removed",)))
        for mutation in mutations},
+    ("kvobs/signals/immediate.py", "EarlySignalBuffer._now_locked", "if now > self._expire_at:", "condition -> True"):
+        "performance only: a sweep with nothing due expires nothing; it only recomputes _expire_at (-inf once "
+        "nothing is pending, which sends the next buffered signal to the general path, with the same decision)",
     **{("kvobs/signals/core.py", "held",
         'return type("Held", (), {"__slots__": (), "__enter__": lock.__enter__, "__exit__": lock.__exit__})()',
         mutation): "cosmetic: the one-off class's name, and whether its single instance has a __dict__"
