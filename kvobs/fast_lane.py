@@ -219,8 +219,7 @@ def fast_call(route: Route, lane: FastLane, func: Callable[..., Any], general: C
             return result  # abandoned past its deadline: already recorded
         if async_wait.waiting:
             async_wait.wake_waiters(lock)
-        if span is not None:
-            slot.span = None  # not this call's to end any more (an untraced call on this slot reads None)
+        slot.span = None  # ended below: never the deadline thread's to end (an untraced call here reads None)
         if recorder.counts_only:
             recorder.counted_ok(t0, perf_counter(), given, span)
         else:
