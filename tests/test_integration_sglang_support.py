@@ -259,16 +259,21 @@ class CpuBackend:
     def add_transfer_request(self, room: int, kv_indices: Any, index_slice: slice, is_last: bool,
                              **kwargs: Any) -> None:
         self.requests.append((room, [int(p) for p in kv_indices], index_slice, is_last))
-        thread = threading.Thread(target=self._transfer, args=(room, list(kv_indices), index_slice, is_last))
+        earlier = list(self.threads)
+        thread = threading.Thread(target=self._transfer,
+                                  args=(room, list(kv_indices), index_slice, is_last, earlier))
         self.threads.append(thread)
         thread.start()
 
-    def _transfer(self, room: int, pages: list[int], index_slice: slice, is_last: bool) -> None:
+    def _transfer(self, room: int, pages: list[int], index_slice: slice, is_last: bool,
+                  earlier: list[threading.Thread]) -> None:
         target = self.destination.get(room)
         if target is not None:
             copy_pages(self.pool, pages, target[0], target[1][index_slice])
         if not is_last:
             return
+        for thread in earlier:  # a backend concludes a room once all its chunks landed, as Mooncake does
+            thread.join()
         if self.outcome is not None:
             self.outcome(room, is_last)
         else:
