@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from kvobs.integrity import kernel
+import kvobs.integrity.kernel as kernel
 
 _PLAIN = {int}  # exactly int: bool (a subclass) is rejected, NumPy ints take the general path
 
