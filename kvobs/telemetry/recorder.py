@@ -236,8 +236,7 @@ class Recorder:
                     self.failed("metrics", exc)
             if span is not None:
                 t.span = None
-                self._close_span(span, t.outcome, t.error, {sc.ATTR_LOCK_WAIT_S: wait, sc.ATTR_LOCK_HOLD_S: hold,
-                                                            sc.ATTR_OUTCOME: t.outcome, sc.ATTR_BYTES: nbytes})
+                self._close_span(span, t.outcome, t.error, (wait, hold, nbytes))
             level = _LEVEL.get(t.outcome, logging.ERROR)
             if level >= self.log_level:
                 self._log(level, "kvobs.transfer", t, span, outcome=t.outcome, blocks=blocks, duration_s=duration,
@@ -262,8 +261,7 @@ class Recorder:
             except Exception as exc:  # noqa: BLE001
                 self.failed("metrics", exc)
         if span is not None:
-            self._close_span(span, sc.OUTCOME_OK, None, {sc.ATTR_LOCK_WAIT_S: 0.0, sc.ATTR_LOCK_HOLD_S: held,
-                                                         sc.ATTR_OUTCOME: sc.OUTCOME_OK, sc.ATTR_BYTES: nbytes})
+            self._close_span(span, sc.OUTCOME_OK, None, (0.0, held, nbytes))
 
     # -- helpers ----------------------------------------------------------------------------------------
 
@@ -286,14 +284,16 @@ class Recorder:
             self._close_span(span, t.outcome, t.error)
 
     def _close_span(self, span: Any, outcome: str | None, error: BaseException | None,
-                    attributes: dict[str, Any] | None = None) -> None:
-        """Set `attributes` (the end's wait, hold, outcome, bytes), error status and `error.type` on failure or
-        abandonment, on a span that records; always end it. The exception's text is read defensively (its
-        __str__ or __repr__ may raise)."""
+                    ended: tuple[float, float, int] | None = None) -> None:
+        """On a span that records (attributes are built only then): the end's lock wait, hold and bytes
+        (`ended`) with the outcome, error status and `error.type` on failure or abandonment; always end it. The
+        exception's text is read defensively (its __str__ or __repr__ may raise)."""
         try:
             if span.is_recording():
-                if attributes:
-                    span.set_attributes(attributes)
+                if ended is not None:
+                    wait, hold, nbytes = ended
+                    span.set_attributes({sc.ATTR_LOCK_WAIT_S: wait, sc.ATTR_LOCK_HOLD_S: hold,
+                                         sc.ATTR_OUTCOME: outcome, sc.ATTR_BYTES: nbytes})
                 if error is not None:
                     span.set_attribute(sc.ATTR_ERROR_TYPE, type(error).__qualname__)
                     span.set_status(Status(StatusCode.ERROR, _describe(error)))
