@@ -12,6 +12,7 @@ from __future__ import annotations
 import operator
 import time
 from bisect import bisect_left
+from collections.abc import Iterable
 from itertools import compress
 from typing import Any, ClassVar
 
@@ -113,18 +114,12 @@ class BufferedPathMetrics(_Buffered, PathMetrics):
         """The latest exemplar of each bucket the batch's lock waits and durations fell in (`wanted` of them)."""
         w = _TRANSFER_WIDTH
         exemplars = values[6::w]
-        latest: Latest = {}
         if exemplars.count(None) == len(exemplars):
-            return latest
+            return {}
         wait_cell, duration_cells = self.lock_wait, self.duration
-        for exemplar, outcome, duration, wait in zip(reversed(exemplars), reversed(outcomes),
-                                                     reversed(values[1::w]), reversed(values[2::w])):
-            if exemplar:
-                _keep(latest, wait_cell, wait, exemplar)
-                _keep(latest, duration_cells[outcome], duration, exemplar)
-                if len(latest) == wanted:
-                    break
-        return latest
+        newest_first = zip(reversed(exemplars), reversed(outcomes), reversed(values[1::w]), reversed(values[2::w]))
+        return _latest(((cell, amount, exemplar) for exemplar, outcome, duration, wait in newest_first if exemplar
+                        for cell, amount in ((wait_cell, wait), (duration_cells[outcome], duration))), wanted)
 
 
 class BufferedHolderMetrics(_Buffered, HolderMetrics):
@@ -138,25 +133,27 @@ class BufferedHolderMetrics(_Buffered, HolderMetrics):
     def _prepare(self, values: list[Any]) -> Prepared:
         """Fields of the flat records (wait, hold, exemplar) by slicing."""
         waits = self.lock_wait.prepare(values[0::3])
-        latest: Latest = {}
-        for wait, exemplar in zip(reversed(values[0::3]), reversed(values[2::3])):
-            if exemplar:
-                _keep(latest, self.lock_wait, wait, exemplar)
-                if len(latest) == len(waits[2]):
-                    break
+        newest_first = zip(reversed(values[0::3]), reversed(values[2::3]))
+        latest = _latest(((self.lock_wait, wait, exemplar) for wait, exemplar in newest_first if exemplar),
+                         len(waits[2]))
         return [waits, self.lock_hold.prepare(values[1::3])], [], latest
 
 
-def _keep(latest: Latest, cell: HistogramCell, amount: float, exemplar: tuple[ExemplarSource, float]) -> None:
-    """`exemplar` (source, timestamp) for the bucket `amount` falls in, unless it has one already.
+def _latest(marks: Iterable[tuple[HistogramCell, float, tuple[ExemplarSource, float]]], wanted: int) -> Latest:
+    """Per (histogram, bucket) the first of `marks` (cell, amount, (source, timestamp)), given newest first.
 
     Why: only the latest exemplar of a bucket is ever shown. A batch's records are in the order they were made,
-    so scanning them newest first, a bucket keeps the first found, and the scan can end once every bucket the
-    batch touched has one: most batches then cost a few records, not one bisect per record."""
-    if amount == amount:  # noqa: PLR0124 - NaN falls in no bucket
-        key = (cell, bisect_left(cell.bounds, amount))
-        if key not in latest:
-            latest[key] = (exemplar[0], amount, exemplar[1])
+    so scanning them newest first, a bucket keeps the first found, and the scan ends once the `wanted` buckets
+    the batch touched have one: most batches then cost a few records, not one bisect per record."""
+    latest: Latest = {}
+    for cell, amount, (source, timestamp) in marks:
+        if amount == amount:  # noqa: PLR0124 - NaN falls in no bucket
+            key = (cell, bisect_left(cell.bounds, amount))
+            if key not in latest:
+                latest[key] = (source, amount, timestamp)
+                if len(latest) == wanted:
+                    break
+    return latest
 
 
 def _total(amounts: list[Any]) -> int:
