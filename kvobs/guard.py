@@ -152,24 +152,12 @@ class Guard:
             rejected = TransferRejected(self.route.path, str(exc))
             Transfer(self.route).reject(rejected)
             raise rejected from None
-        t = Transfer(
-            self.route,
-            keys=values.get("keys"),
-            cache=values.get("cache"),
-            nbytes=values.get("nbytes"),
-            request_id=values.get("request_id"),
-            key=values.get("complete_later"),
-            trace_context=values.get("trace_context"),
-            moved_from=self.result,
-            on_corrupt=self.on_corrupt,
-        )
-        return t.validate(
-            block_ids=values.get("block_ids", UNSET),
-            requests=values.get("requests", UNSET),
-            sync=values.get("sync"),
-            group_sizes=values.get("group_sizes"),
-            completes_later="complete_later" in values,
-        )
+        get = values.get
+        t = Transfer(self.route, keys=get("keys"), cache=get("cache"), nbytes=get("nbytes"),
+                     request_id=get("request_id"), key=get("complete_later"), trace_context=get("trace_context"),
+                     moved_from=self.result, on_corrupt=self.on_corrupt)
+        return t.validate(block_ids=get("block_ids", UNSET), requests=get("requests", UNSET), sync=get("sync"),
+                          group_sizes=get("group_sizes"), completes_later="complete_later" in values)
 
 
 async def _await_under(t: Transfer, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:

@@ -30,6 +30,11 @@ from kvobs.telemetry.recorder import Hook, Recorder
 from kvobs.telemetry.tracing import TracerSource
 from kvobs.route import Route
 from kvobs.transfer import CorruptHandler, Transfer
+from kvobs.transfer_checks import UNSET
+
+# What `begin` / `transfer` take beside the path (see Transfer and Transfer.validate).
+_TRANSFER_VALUES = frozenset(("block_ids", "requests", "keys", "cache", "nbytes", "request_id", "key",
+                              "group_sizes", "trace_context"))
 
 
 class KVObserver:
@@ -219,15 +224,16 @@ class KVObserver:
         return metrics
 
     def _validated(self, route: Route, values: dict[str, Any]) -> Transfer:
-        unknown = set(values) - {"block_ids", "requests", "keys", "cache", "nbytes", "request_id", "key",
-                                 "group_sizes", "trace_context"}
-        if unknown:
-            raise TypeError(f"unknown transfer value(s) {sorted(unknown)}")
-        given = {name: values[name] for name in ("block_ids", "requests") if values.get(name) is not None}
-        t = Transfer(route, keys=values.get("keys"), cache=values.get("cache"), nbytes=values.get("nbytes"),
-                     request_id=values.get("request_id"), key=values.get("key"),
-                     trace_context=values.get("trace_context"))
-        return t.validate(group_sizes=values.get("group_sizes"), **given)
+        if not values:
+            return Transfer(route)  # nothing to validate: the transfer claims the whole cache
+        if not values.keys() <= _TRANSFER_VALUES:
+            raise TypeError(f"unknown transfer value(s) {sorted(values.keys() - _TRANSFER_VALUES)}")
+        get = values.get
+        block_ids, requests = get("block_ids"), get("requests")
+        t = Transfer(route, keys=get("keys"), cache=get("cache"), nbytes=get("nbytes"), request_id=get("request_id"),
+                     key=get("key"), trace_context=get("trace_context"))
+        return t.validate(block_ids=UNSET if block_ids is None else block_ids,
+                          requests=UNSET if requests is None else requests, group_sizes=get("group_sizes"))
 
     def _route(self, path: str) -> Route:
         policy = self._integrity[path]

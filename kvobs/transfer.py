@@ -81,17 +81,31 @@ class Transfer:
     reported_moved: Blocks | None = None  # the blocks completion said moved (None: all of them)
     cache_info: Any = None  # what validation learned of `cache` (its layout), for the checks
 
-    def __init__(self, route: Route, **values: Any) -> None:
-        """`values`: keys, cache, nbytes, request_id, key, trace_context, moved_from, on_corrupt (validated by
-        `validate`)."""
+    def __init__(self, route: Route, *, keys: Any = None, cache: Any = None, nbytes: Any = None,
+                 request_id: Any = None, key: Any = None, trace_context: Any = None,
+                 moved_from: Callable[[Any], Any] | None = None, on_corrupt: CorruptHandler | None = None) -> None:
+        """The values are validated by `validate`; one left None keeps the class default (no attribute set:
+        building a transfer is on every guarded call's path)."""
         self.route = route
         self.path = route.path
         self.claim = route.whole_cache  # until validate() finds the transfer's own blocks
         self._ending = iter(_ONE_TOKEN)
-        if values:
-            for name, value in values.items():
-                if value is not None:
-                    setattr(self, name, value)
+        if keys is not None:
+            self.keys = keys
+        if cache is not None:
+            self.cache = cache
+        if nbytes is not None:
+            self.nbytes = nbytes
+        if request_id is not None:
+            self.request_id = request_id
+        if key is not None:
+            self.key = key
+        if trace_context is not None:
+            self.trace_context = trace_context
+        if moved_from is not None:
+            self.moved_from = moved_from
+        if on_corrupt is not None:
+            self.on_corrupt = on_corrupt
 
     # -- validation: before anything is locked ------------------------------------------------------------
 
@@ -107,7 +121,8 @@ class Transfer:
             self.claim = route.whole_cache
             return self  # nothing given: the checks below would end in the same whole-cache claim
         try:
-            validate_sync(self.path, sync, sync_required=route.sync_required, completes_later=completes_later)
+            if sync is not None:
+                validate_sync(self.path, sync, sync_required=route.sync_required, completes_later=completes_later)
             if block_ids is not UNSET and requests is not UNSET:
                 raise TransferRejected(self.path, "give block_ids or requests (a batch), not both")
             if block_ids is not UNSET:
@@ -117,8 +132,10 @@ class Transfer:
                 self.request_blocks = requests
                 self.requests, self.blocks = resolve_requests(self.path, requests, capacity=route.capacity,
                                                               page_size=route.page_size)
-            validate_keys(self.path, self.keys, self.blocks, paired=route.page_size is None and group_sizes is None)
-            validate_nbytes(self.path, self.nbytes)
+            if self.keys is not None:
+                validate_keys(self.path, self.keys, self.blocks, paired=route.page_size is None and group_sizes is None)
+            if self.nbytes is not None:
+                validate_nbytes(self.path, self.nbytes)
             if self.cache is not None and route.policy is not None:
                 self.cache_info = route.caches.inspect(self.path, self.cache, self.blocks)
             if self.key is not None:

@@ -119,15 +119,18 @@ def resolve_blocks(
 ) -> Blocks:
     """Validate ids and derive the distinct blocks; raise TransferRejected naming the first problem."""
     ids = block_id_list(path, block_ids)
-    if ids and min(ids) < 0:
-        raise TransferRejected(path, f"block id {min(ids)} is negative")
-    if page_size is not None:
+    ordered = sorted(ids) if page_size is None else None  # block ids: sorted anyway; token slots: only pages
+    lowest = min(ids, default=0) if ordered is None else (ordered[0] if ordered else 0)
+    if lowest < 0:
+        raise TransferRejected(path, f"block id {lowest} is negative")
+    if ordered is None:
         return _token_slots(path, ids, page_size, capacity)
-    if capacity is not None and ids and max(ids) >= capacity:
-        raise TransferRejected(path, f"block id {max(ids)} is out of range for a cache of {capacity} blocks")
+    if capacity is not None and ordered and ordered[-1] >= capacity:
+        raise TransferRejected(path, f"block id {ordered[-1]} is out of range for a cache of {capacity} blocks")
     if group_sizes is None:
-        _no_duplicates(path, ids, "block id")
-        return Blocks(ids, tuple(sorted(ids)), len(ids))
+        if len(set(ids)) != len(ids):
+            _no_duplicates(path, ids, "block id")
+        return Blocks(ids, tuple(ordered), len(ids))
     sizes = block_id_list(path, group_sizes, "group sizes")
     if any(s < 0 for s in sizes) or sum(sizes) != len(ids):
         raise TransferRejected(path, f"group sizes {sizes} must be non-negative and add up to the {len(ids)} block ids")
