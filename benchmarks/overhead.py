@@ -7,12 +7,14 @@ guarded call (a decorator naming nothing in the call: the fast lane) against a b
 and against the lock + `Histogram.time()` + span a user would stack by hand, and beside it a decorator
 naming block ids, and keys too (the fast lane, validating them), and one naming KV groups (the general
 lifecycle); a batch of 64 requests per request; a recording span against the raw SDK span with the same attributes; and the
-explicit begin + complete against the decorator.
+explicit begin + complete against the decorator, also as the engine integrations call it (under a key, with a
+request id and 16 block ids, completed by key).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -98,6 +100,17 @@ def kvobs_cases(providers: dict[str, TracerProvider]) -> dict[str, Callable[[int
     def begin_complete() -> None:
         begin(sc.PATH_WRITE_BACK).complete()
 
+    request_ids, sixteen = [f"req-{i}" for i in range(1024)], list(range(16))
+    engine_shaped_obs = observer("e")
+    keyed_begin, keyed_complete = engine_shaped_obs.begin, engine_shaped_obs.complete
+    turn = itertools.count()
+
+    def engine_shaped() -> None:
+        """What the engine integrations do: begin under a request's key, complete by key (later, elsewhere)."""
+        rid = request_ids[next(turn) & 1023]
+        keyed_begin(sc.PATH_SEND, key=rid, request_id=rid, block_ids=sixteen)
+        keyed_complete(sc.PATH_SEND, rid)
+
     batch_obs = observer("b")
     requests = {f"req-{i}": [i] for i in range(BATCH)}
 
@@ -127,6 +140,8 @@ def kvobs_cases(providers: dict[str, TracerProvider]) -> dict[str, Callable[[int
         "kvobs metrics only, decorator naming 4 block_ids in one KV group (general lifecycle)":
             loop(lambda: write_grouped(ids, [4])),
         "kvobs metrics only (obs.begin + t.complete)": loop(begin_complete),
+        "kvobs metrics only, obs.begin(key, request_id, 16 block_ids) + obs.complete(path, key) (engine integrations)":
+            loop(engine_shaped),
         f"kvobs metrics only, batch of {BATCH} requests (one call)": loop(lambda: send_batch(requests)),
         **tracing_cases(providers),
         "kvobs disabled (lock and fast lane, no telemetry)": loop(decorated(observer("d", enabled=False))),
