@@ -15,8 +15,9 @@ for the lock. Each thread has one reusable Slot per lock:
 - The deadline thread takes an expired call's release by that call's key, so never a later call's.
 
 A traced call starts its span once it holds (its wait is none) and runs with the span current, as on the
-general path. Everything else goes to the general lifecycle, which decides as it always does: a busy lock
-(it waits, times out, counts the conflict) and a guarded call nested in another (refused as re-entry).
+general path; the current context is read once, as the span's parent and as the context it is made current
+in. Everything else goes to the general lifecycle, which decides as it always does: a busy lock (it waits,
+times out, counts the conflict) and a guarded call nested in another (refused as re-entry).
 """
 
 from __future__ import annotations
@@ -30,11 +31,12 @@ from inspect import isawaitable
 from time import perf_counter
 from typing import Any, Protocol
 
+from opentelemetry.context import get_current
+
 from kvobs import async_wait
 from kvobs import semconv as sc
 from kvobs.atomic import CALL
 from kvobs.forks import renewed_after_fork
-from kvobs.lane_values import NOTHING_GIVEN
 from kvobs.telemetry.tracing import call_in_span
 
 
@@ -193,15 +195,15 @@ def fast_call(route: Route, lane: FastLane, func: Callable[..., Any], general: C
         if slot.pending or given is None and values is not None:
             return general(*args, **kwargs)
         slot.route, slot.given, slot.t_begin = route, given, (t0 := perf_counter())
-        span = None
+        span = context = None
         try:
             if next(slot.arm) is NOOP:
                 all(slot.drain)  # nothing held: the general lifecycle waits for the lock
                 return general(*args, **kwargs)
             lock.holder, lock.held_since = path, t0
             if tracing is not None and (tracing.tracer is not None or t0 >= tracing.recheck_at):
-                span = slot.span = recorder.start_span(given or NOTHING_GIVEN)  # None: no provider after all
-            result = func(*args, **kwargs) if span is None else call_in_span(span, func, args, kwargs)
+                span = slot.span = recorder.start_span(given, context := get_current())  # None: no provider after all
+            result = func(*args, **kwargs) if span is None else call_in_span(span, func, args, kwargs, context)
             if result is not None and isawaitable(result):
                 refuse_awaitable(func, result)
         except BaseException as exc:

@@ -26,9 +26,6 @@ class LaneValues:
         self.blocks, self.keys, self.nbytes, self.request_id = blocks, keys, nbytes, request_id
 
 
-NOTHING_GIVEN = LaneValues(None, None, None, None)  # a call that names nothing, as its span's start reads it
-
-
 def lane_values(route: Any, resolvers: dict[str, Callable[[tuple, dict], Any]]
                 ) -> Callable[[tuple, dict], LaneValues | None]:
     """Per call: the validated values, or None for the general path (a value that does not validate, or an

@@ -18,9 +18,13 @@ import time
 
 import pytest
 import structlog
+from opentelemetry import baggage
+from opentelemetry import context as otel_context
+from opentelemetry import trace as otel_trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased
 from opentelemetry.trace import NoOpTracerProvider
 from prometheus_client import CollectorRegistry
 
@@ -449,6 +453,55 @@ def test_a_traced_call_on_the_lane_records_its_span_current_while_the_call_runs(
     exemplar = REGISTRIES[id(obs)].collect()
     assert any(s.exemplar and s.exemplar.labels["trace_id"] == format(transfer.context.trace_id, "032x")
                for m in exemplar for s in m.samples)
+
+
+def test_a_traced_call_on_the_lane_nests_in_the_callers_context_and_keeps_it(spans):
+    """The lane reads the current context once, for the span's parent and for the context the call runs in:
+    the caller's span is the parent, the engine's span the child, the caller's baggage stays visible, and the
+    caller's context is current again afterwards."""
+    provider, exporter = spans
+    obs = observer(tracer_provider=provider)
+    app_tracer = provider.get_tracer("app")
+    seen = []
+
+    @obs.send()
+    def send():
+        with app_tracer.start_as_current_span("engine.copy"):
+            seen.append(baggage.get_baggage("tenant"))
+
+    token = otel_context.attach(baggage.set_baggage("tenant", "t1"))
+    try:
+        with app_tracer.start_as_current_span("request") as outer:
+            send()
+            assert otel_trace.get_current_span() is outer
+    finally:
+        otel_context.detach(token)
+    copy, transfer, request = exporter.get_finished_spans()
+    assert (copy.name, transfer.name, request.name) == ("engine.copy", "kvobs.send", "request")
+    assert transfer.parent.span_id == request.context.span_id
+    assert copy.parent.span_id == transfer.context.span_id
+    assert seen == ["t1"]
+
+
+def test_a_sampled_off_call_on_the_lane_is_still_the_engine_spans_parent():
+    """Sampled off, kvobs's span records nothing, yet it is current during the call: the engine's span
+    follows the parent-based sampler's decision and is not recorded either, in the same trace."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(sampler=ParentBased(ALWAYS_OFF))
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    obs = observer(tracer_provider=provider)
+    inner = []
+
+    @obs.send()
+    def send():
+        with provider.get_tracer("engine").start_as_current_span("engine.copy") as copy:
+            inner.append((copy.is_recording(), copy.get_span_context().trace_id))
+        return otel_trace.get_current_span().get_span_context().trace_id
+
+    trace_id = send()
+    assert inner == [(False, trace_id)] and trace_id != 0
+    assert exporter.get_finished_spans() == ()
+    provider.shutdown()
 
 
 def test_a_traced_call_naming_blocks_on_the_lane_puts_them_on_its_span(spans):

@@ -112,16 +112,19 @@ class Recorder:
 
     # -- spans ------------------------------------------------------------------------------------------
 
-    def start_span(self, t: Ended) -> Any:
+    def start_span(self, t: Ended | None, context: Any = None) -> Any:
         """A span for the transfer (not made current), or None when nothing traces. With a W3C trace context
-        carried from another node (`t.trace_context`), the span continues that trace."""
+        carried from another node (`t.trace_context`), the span continues that trace. `t` None: a fast-lane
+        call that names nothing, so only the static attributes. `context`: the current otel Context when the
+        caller has it (the fast lane reads it once, for the SDK's parent and sampler lookups and for making the
+        span current); None: the SDK reads it, once per lookup."""
         try:
             tracer = self.tracer_source.get()
             if tracer is None:
                 return None
-            parent = propagate.extract(t.trace_context) if t.trace_context else None
+            parent = propagate.extract(t.trace_context, context) if t is not None and t.trace_context else context
             span = tracer.start_span(self.span_name, context=parent, attributes=self._static)
-            if span.is_recording():
+            if t is not None and span.is_recording():
                 attributes = self._start_attributes(t)
                 if attributes:
                     span.set_attributes(attributes)

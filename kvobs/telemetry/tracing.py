@@ -57,9 +57,10 @@ class TracerSource:
         return self.tracer
 
 
-def call_in_span(span: Any, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    """Run `func` with a transfer's span current, so the engine's own spans and logs nest under it."""
-    token = otel_context.attach(trace.set_span_in_context(span))
+def call_in_span(span: Any, func: Callable[..., Any], args: tuple, kwargs: dict, context: Any = None) -> Any:
+    """Run `func` with a transfer's span current, so the engine's own spans and logs nest under it. `context`: the
+    current Context when the caller read it already (for the span's parent), so it is not read again."""
+    token = otel_context.attach(trace.set_span_in_context(span, context))
     try:
         return func(*args, **kwargs)
     finally:
