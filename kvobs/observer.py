@@ -21,14 +21,14 @@ from kvobs.cache_checks import CacheCheck
 from kvobs.guard import Guard
 from kvobs.locks import CacheLock
 from kvobs.open_transfers import OpenTransfers
+from kvobs.route import Route
 from kvobs.signals import EarlySignalBuffer, StepAlignedSignalBuffer
 from kvobs.telemetry.engine_metrics import EngineMetrics
-from kvobs.telemetry.families import MetricFamilies
 from kvobs.telemetry.failures import TelemetryFailures
+from kvobs.telemetry.families import MetricFamilies
 from kvobs.telemetry.logs import default_logger, level_number
 from kvobs.telemetry.recorder import Hook, Recorder
 from kvobs.telemetry.tracing import TracerSource
-from kvobs.route import Route
 from kvobs.transfer import CorruptHandler, Transfer
 from kvobs.transfer_checks import UNSET
 

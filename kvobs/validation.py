@@ -17,7 +17,6 @@ from typing import Any, NamedTuple
 
 from kvobs.errors import TransferRejected
 
-
 _INT_ONLY = {int}
 
 
