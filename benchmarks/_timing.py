@@ -1,4 +1,6 @@
-"""Shared timing helper: interleaved repetitions, medians in ns per operation (noisy shared machines)."""
+"""Shared timing helper: interleaved rounds, ns per operation, and ratios taken within each round (noisy shared
+machines: a slow moment slows both sides of a ratio measured in the same round, so its median is steadier
+than the ratio of two medians)."""
 
 from __future__ import annotations
 
@@ -6,23 +8,42 @@ import gc
 import statistics
 import time
 from collections.abc import Callable
+from typing import TypeVar
+
+Row = TypeVar("Row", bound=tuple)
 
 
-def ns_per_op(cases: dict[str, Callable[[int], None]], n: int, repeats: int = 9) -> dict[str, float]:
-    """Run every case `repeats` times, round-robin so machine noise hits all alike; median ns per op.
-
-    Each case is `run(n)`, performing its operation n times.
-    """
-    samples: dict[str, list[float]] = {name: [] for name in cases}
+def rounds_ns(cases: dict[str, Callable[[int], None]], n: int, repeats: int = 9) -> list[dict[str, float]]:
+    """Run every case once per round, `repeats` rounds, round-robin so machine noise hits all alike; ns per op
+    of each case in each round. Each case is `run(n)`, performing its operation n times."""
     for run in cases.values():
         run(max(1, n // 10))  # warm-up
+    rounds: list[dict[str, float]] = []
     gc.disable()
     try:
         for _ in range(repeats):
+            timed = {}
             for name, run in cases.items():
                 t0 = time.perf_counter_ns()
                 run(n)
-                samples[name].append((time.perf_counter_ns() - t0) / n)
+                timed[name] = (time.perf_counter_ns() - t0) / n
+            rounds.append(timed)
     finally:
         gc.enable()
-    return {name: statistics.median(values) for name, values in samples.items()}
+    return rounds
+
+
+def ns_per_op(cases: dict[str, Callable[[int], None]], n: int, repeats: int = 9) -> dict[str, float]:
+    """Median ns per op of every case over `repeats` interleaved rounds."""
+    return medians(rounds_ns(cases, n, repeats))
+
+
+def medians(rounds: list[dict[str, float]]) -> dict[str, float]:
+    return {name: statistics.median(r[name] for r in rounds) for name in rounds[0]}
+
+
+def per_round(rows: Callable[[dict[str, float]], list[Row]], rounds: list[dict[str, float]]) -> list[Row]:
+    """`rows(ns)` (tuples whose second item is a ratio) computed in every round; each row's median ratio."""
+    computed = [rows(r) for r in rounds]
+    return [(*first[:1], statistics.median(c[i][1] for c in computed), *first[2:])  # type: ignore[misc]
+            for i, first in enumerate(computed[0])]
