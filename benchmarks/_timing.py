@@ -33,12 +33,8 @@ def rounds_ns(cases: dict[str, Callable[[int], None]], n: int, repeats: int = 9)
     return rounds
 
 
-def ns_per_op(cases: dict[str, Callable[[int], None]], n: int, repeats: int = 9) -> dict[str, float]:
-    """Median ns per op of every case over `repeats` interleaved rounds."""
-    return medians(rounds_ns(cases, n, repeats))
-
-
 def medians(rounds: list[dict[str, float]]) -> dict[str, float]:
+    """Median ns per op of every case over the rounds."""
     return {name: statistics.median(r[name] for r in rounds) for name in rounds[0]}
 
 
