@@ -14,8 +14,7 @@ reading its last chunk). Nothing is allocated per check beyond that lock and the
 
 The pool is a few daemon threads on one `queue.SimpleQueue`: handing them a share costs about 25 us where
 `ThreadPoolExecutor.submit` cost about 110 us (measured on 2 vCPUs, workers parked), time the caller's own
-share waits for. A pool thread reads off its caller's CPU (`kvobs.integrity.placement`): woken on it, the two
-would share one CPU. The pool is rebuilt in a forked child (its threads do not survive a fork).
+share waits for. It is rebuilt in a forked child (its threads do not survive a fork).
 """
 
 from __future__ import annotations
