@@ -27,7 +27,6 @@ from typing import Any
 import numpy as np
 
 from kvobs.integrity.kernel import KernelPlan
-from kvobs.integrity.placement import CpuAvoider, current_cpu
 
 MIN_BYTES_PER_THREAD = 8 << 20
 
@@ -49,9 +48,8 @@ def mark(plans: list[KernelPlan], ids: np.ndarray) -> tuple[np.ndarray, int]:
     claims = [threading.Lock() for _ in range(helpers)]
     if claims:
         _start_workers(len(claims))
-    cpu = current_cpu() if claims else -1  # where the pool threads should not run (kvobs.integrity.placement)
     for claim in claims:
-        _jobs.put((claim, cpu, plans, ids, flags, counters, outcomes))
+        _jobs.put((claim, plans, ids, flags, counters, outcomes))
     found = _mark_share(plans, ids, flags, counters)
     for claim in claims:
         # Taken at once: no pool thread began this share (it will skip it), or one finished it. Else one is
@@ -74,15 +72,13 @@ def _mark_share(plans: list[KernelPlan], ids: np.ndarray, flags: np.ndarray, cou
 
 
 def _work(jobs: queue.SimpleQueue[tuple[Any, ...]]) -> None:
-    """A pool thread: runs shares forever, off its caller's CPU; each one it claims is held until done, its
-    outcome (or error) left for the checking thread."""
-    placement = CpuAvoider()
+    """A pool thread: runs shares forever; each one it claims is held until done, its outcome (or error)
+    left for the checking thread."""
     while True:
-        claim, cpu, plans, ids, flags, counters, outcomes = jobs.get()
+        claim, plans, ids, flags, counters, outcomes = jobs.get()
         if not claim.acquire(blocking=False):
             continue  # taken back by the checking thread: it read every chunk itself
         try:
-            placement.avoid(cpu)
             outcomes.append(_mark_share(plans, ids, flags, counters))
         except BaseException as exc:  # noqa: BLE001 - raised in the checking thread
             outcomes.append(exc)
