@@ -84,28 +84,14 @@ class Transfer:
     def __init__(self, route: Route, *, keys: Any = None, cache: Any = None, nbytes: Any = None,
                  request_id: Any = None, key: Any = None, trace_context: Any = None,
                  moved_from: Callable[[Any], Any] | None = None, on_corrupt: CorruptHandler | None = None) -> None:
-        """The values are validated by `validate`; one left None keeps the class default (no attribute set:
-        building a transfer is on every guarded call's path)."""
+        """The values are validated by `validate`; None means not given. Keywords, not a kwargs dict: building a
+        transfer is on every guarded call's path."""
         self.route = route
         self.path = route.path
         self.claim = route.whole_cache  # until validate() finds the transfer's own blocks
         self._ending = iter(_ONE_TOKEN)
-        if keys is not None:
-            self.keys = keys
-        if cache is not None:
-            self.cache = cache
-        if nbytes is not None:
-            self.nbytes = nbytes
-        if request_id is not None:
-            self.request_id = request_id
-        if key is not None:
-            self.key = key
-        if trace_context is not None:
-            self.trace_context = trace_context
-        if moved_from is not None:
-            self.moved_from = moved_from
-        if on_corrupt is not None:
-            self.on_corrupt = on_corrupt
+        self.keys, self.cache, self.nbytes, self.request_id = keys, cache, nbytes, request_id
+        self.key, self.trace_context, self.moved_from, self.on_corrupt = key, trace_context, moved_from, on_corrupt
 
     # -- validation: before anything is locked ------------------------------------------------------------
 

@@ -119,7 +119,7 @@ def resolve_blocks(
     """Validate ids and derive the distinct blocks; raise TransferRejected naming the first problem."""
     ids = block_id_list(path, block_ids)
     ordered = sorted(ids) if page_size is None else None  # block ids: sorted anyway; token slots: only pages
-    lowest = min(ids, default=0) if ordered is None else (ordered[0] if ordered else 0)
+    lowest = ordered[0] if ordered else min(ids, default=0)
     if lowest < 0:
         raise TransferRejected(path, f"block id {lowest} is negative")
     if ordered is None:
@@ -127,8 +127,7 @@ def resolve_blocks(
     if capacity is not None and ordered and ordered[-1] >= capacity:
         raise TransferRejected(path, f"block id {ordered[-1]} is out of range for a cache of {capacity} blocks")
     if group_sizes is None:
-        if len(set(ids)) != len(ids):
-            _no_duplicates(path, ids, "block id")
+        _no_duplicates(path, ids, "block id")
         return Blocks(ids, tuple(ordered), len(ids))
     sizes = block_id_list(path, group_sizes, "group sizes")
     if any(s < 0 for s in sizes) or sum(sizes) != len(ids):
