@@ -15,6 +15,8 @@ The objects' metadata is checked against Kubernetes' ObjectMeta schema from kube
 
 from __future__ import annotations
 
+import functools
+
 import jsonschema
 import referencing
 from kubernetes_validate import utils as kubernetes_schemas
@@ -156,6 +158,7 @@ SCHEMAS = {
 }
 
 
+@functools.lru_cache(maxsize=None)
 def object_meta_registry(kubernetes_version: str) -> referencing.Registry:
     """Kubernetes' strict ObjectMeta schema (with its definitions) from kubernetes-validate's offline copy."""
     schema_dir = f"kubernetes-json-schema/v{kubernetes_version}-local-strict"
