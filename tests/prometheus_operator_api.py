@@ -7,7 +7,8 @@ PodMetricsEndpoint, RelabelConfig, NamespaceSelector), stricter than the CRD in 
 does not document is an error here, where the API server would prune it silently.
 
 What it checks: every field name at every level kvobs uses, the required fields, types, the Duration
-pattern, the scheme and relabel action enums, and that each rule is either an alert or a recording rule.
+pattern, the scheme and relabel action enums, that each rule is either an alert or a recording rule, and
+that rule group names are unique (the CRD keys the list by name).
 What it does not: the content of the auth and TLS objects (typed `object` only; kvobs sets none), the
 operator's admission webhook and CEL rules, and PromQL (promtool checks the rule groups separately).
 The objects' metadata is checked against Kubernetes' ObjectMeta schema from kubernetes-validate.
@@ -174,5 +175,14 @@ def operator_object_problems(obj: dict, kubernetes_version: str) -> list[str]:
     if schema is None or obj.get("apiVersion") != API_VERSION:
         return [f"not a {API_VERSION} PrometheusRule or PodMonitor: {obj.get('apiVersion')} {obj.get('kind')}"]
     validator = jsonschema.Draft202012Validator(schema, registry=object_meta_registry(kubernetes_version))
-    return [f"{error.json_path}: {NOT_ONE_RULE if error.validator == 'oneOf' else error.message}"
-            for error in validator.iter_errors(obj)]
+    problems = [f"{error.json_path}: {NOT_ONE_RULE if error.validator == 'oneOf' else error.message}"
+                for error in validator.iter_errors(obj)]
+    return problems + duplicate_group_names(obj)
+
+
+def duplicate_group_names(obj: dict) -> list[str]:
+    """spec.groups is a list map keyed by name (x-kubernetes-list-map-keys): a repeated name is refused."""
+    groups = obj.get("spec", {}).get("groups", []) if obj.get("kind") == "PrometheusRule" else []
+    names = [group.get("name") for group in groups if isinstance(group, dict)]
+    return [f"$.spec.groups: group name {name!r} appears {names.count(name)} times"
+            for name in sorted({n for n in names if names.count(n) > 1}, key=str)]

@@ -259,6 +259,8 @@ BROKEN_OPERATOR_OBJECTS = {
                                    "$.spec.groups[0].rules[0].for: '15 seconds' does not match"),
     "group without a name": (set_in("PrometheusRule", "spec.groups.0.name", ""),
                              "$.spec.groups[0].name: '' should be non-empty"),
+    "two groups of one name": (set_in("PrometheusRule", "spec.groups.1.name", "kvobs-alerts"),
+                               "$.spec.groups: group name 'kvobs-alerts' appears 2 times"),
 }
 
 

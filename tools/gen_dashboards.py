@@ -68,7 +68,7 @@ def quantile(q: float, histogram: str, by: str, *matchers: str) -> str:
 
 
 def query(expr: str, legend: str, ref: str = "A", *, exemplar: bool = False) -> prometheus.Dataquery:
-    built = (prometheus.Dataquery().datasource(DATASOURCE).ref_id(ref).expr(expr).legend_format(legend).range())
+    built = prometheus.Dataquery().datasource(DATASOURCE).ref_id(ref).expr(expr).legend_format(legend).range()
     return built.exemplar(True) if exemplar else built
 
 
