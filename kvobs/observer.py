@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry
 from kvobs import config
 from kvobs import semconv as sc
 from kvobs.cache_checks import CacheCheck
+from kvobs.errors import TransferRejected
 from kvobs.guard import Guard
 from kvobs.locks import CacheLock
 from kvobs.open_transfers import OpenTransfers
@@ -35,6 +36,7 @@ from kvobs.transfer_checks import UNSET
 # What `begin` / `transfer` take beside the path (see Transfer and Transfer.validate).
 _TRANSFER_VALUES = frozenset(("block_ids", "requests", "keys", "cache", "nbytes", "request_id", "key",
                               "group_sizes", "trace_context"))
+_BLOCK_VALUES = ("block_ids", "requests")  # None for these is refused: leaving them out claims the whole cache
 
 
 class KVObserver:
@@ -170,8 +172,9 @@ class KVObserver:
         return self._validated(self._route_for(path, check), values).start(skippable=skippable)
 
     def hold(self, holder: str = sc.HOLDER_FORWARD, *, block_ids: Any = None) -> Transfer:
-        """The cache lock for a holder that is not a transfer, as a `with` block (values, not specs)."""
-        return self._validated(self._holder_route_for(holder), {"block_ids": block_ids})
+        """The cache lock for a holder that is not a transfer, as a `with` block (values, not specs); without
+        `block_ids` (None) the holder claims the whole cache, as the forward pass does."""
+        return self._validated(self._holder_route_for(holder), {} if block_ids is None else {"block_ids": block_ids})
 
     def complete(self, path: str, key: Any, result: Any = None, *, moved: Any = None) -> Any:
         """Complete the open transfer under (path, key); see `Transfer.complete`. An unknown key (never
@@ -229,11 +232,16 @@ class KVObserver:
         if not values.keys() <= _TRANSFER_VALUES:
             raise TypeError(f"unknown transfer value(s) {sorted(values.keys() - _TRANSFER_VALUES)}")
         get = values.get
-        block_ids, requests = get("block_ids"), get("requests")
         t = Transfer(route, keys=get("keys"), cache=get("cache"), nbytes=get("nbytes"), request_id=get("request_id"),
                      key=get("key"), trace_context=get("trace_context"))
-        return t.validate(block_ids=UNSET if block_ids is None else block_ids,
-                          requests=UNSET if requests is None else requests, group_sizes=get("group_sizes"))
+        for name in _BLOCK_VALUES:
+            if name in values and values[name] is None:  # as a decorator's spec resolving to None is refused
+                rejected = TransferRejected(route.path, f"{name}=None names no blocks: pass them (an empty sequence "
+                                                        f"for none), or leave {name} out to claim the whole cache")
+                t.reject(rejected)
+                raise rejected
+        return t.validate(block_ids=get("block_ids", UNSET), requests=get("requests", UNSET),
+                          group_sizes=get("group_sizes"))
 
     def _route(self, path: str) -> Route:
         policy = self._integrity[path]
