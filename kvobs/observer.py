@@ -25,7 +25,7 @@ from kvobs.open_transfers import OpenTransfers
 from kvobs.route import Route
 from kvobs.signals import EarlySignalBuffer, StepAlignedSignalBuffer
 from kvobs.telemetry.engine_metrics import EngineMetrics
-from kvobs.telemetry.failures import TelemetryFailures
+from kvobs.telemetry.failures import STAGE_DEADLINE_THREAD, TelemetryFailures
 from kvobs.telemetry.families import MetricFamilies
 from kvobs.telemetry.logs import default_logger, level_number
 from kvobs.telemetry.recorder import Hook, Recorder
@@ -206,13 +206,15 @@ class KVObserver:
 
     def _wire(self, registry: CollectorRegistry | None, buckets: Iterable[float] | None) -> None:
         """Metrics, open transfers and a route per path and lock holder, from the checked options."""
-        self.open = OpenTransfers(self.paths, self.deadline)
         self._caches = CacheCheck(self.block_dim)
         self.metrics = self._engine_metrics(registry, buckets) if self.telemetry else None
         # telemetry off: failures (a raising hook) are still logged once per kind, with nothing to count
         self._failures: Callable[[str, BaseException], None] = (
             TelemetryFailures(self.engine, None, self.logger) if self.metrics is None
             else self.metrics.count_telemetry_error)
+        count_restart = None if self.metrics is None else functools.partial(self.metrics.failures.count,
+                                                                             STAGE_DEADLINE_THREAD)
+        self.open = OpenTransfers(self.paths, self.deadline, count_restart)
         self._routes = {p: self._route(p) for p in self.paths}
         self._variants: dict[tuple[str, Any], Route] = {}
         self._holder_routes = {h: self._holder_route(h) for h in self.holders}

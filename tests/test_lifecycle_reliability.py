@@ -7,13 +7,19 @@ Real threads and real signals throughout (the storm is a SIGALRM interval timer 
 
 from __future__ import annotations
 
+import ctypes
+import sys
 import threading
+import time
 
 import pytest
+import structlog
 
 import kvobs
 from kvobs import semconv as sc
 from kvobs.errors import LockTimeout, TransferRejected
+from kvobs.open_transfers import _REAPER, EVENT_RESTARTED
+from kvobs.telemetry.failures import STAGE_DEADLINE_THREAD
 from kvobs.block_lock import BlockLock
 from support import lock_is_free
 
@@ -64,3 +70,93 @@ def _begin_recording_error(obs: kvobs.KVObserver, errors: list[BaseException]) -
         obs.begin("prefetch", block_ids=[15]).complete()
     except Exception as exc:  # noqa: BLE001 - the test reads it
         errors.append(exc)
+
+
+# --- the deadline thread survives and is supervised ----------------------------------------------------------
+
+
+def _abandoned_within(obs: kvobs.KVObserver, seconds: float) -> bool:
+    """Begin a transfer and leave it open: the deadline thread must abandon it (and free its lock)."""
+    t = obs.begin("send", block_ids=[1])
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if t.state == "abandoned":
+            return obs.lock is None or lock_is_free(obs.lock)
+        time.sleep(0.005)
+    return False
+
+
+def _new_observers(count: int, kept: list[kvobs.KVObserver]) -> None:
+    for i in range(count):
+        kept.append(kvobs.KVObserver(f"grow-{i}", enabled=False, integrity=None))
+
+
+def test_observers_created_in_threads_while_transfers_are_open_do_not_kill_the_deadline_thread(cap):
+    """The deadline thread read the set of tables while other threads added to it: `Set changed size during
+    iteration` ended the thread for good, and no transfer was ever abandoned again."""
+    obs = kvobs.KVObserver("reaped", lock=None, enabled=False, integrity=None, deadline=0.05)
+    kept: list[kvobs.KVObserver] = []
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(2e-5)
+    try:
+        open_transfers = [obs.begin("prefetch", block_ids=[i]) for i in range(8)]  # noqa: F841 - left open
+        growers = [threading.Thread(target=_new_observers, args=(300, kept)) for _ in range(4)]
+        for grower in growers:
+            grower.start()
+        for grower in growers:
+            grower.join()
+    finally:
+        sys.setswitchinterval(previous)
+    assert _abandoned_within(obs, 5.0), "the deadline thread no longer abandons transfers"
+
+
+class _BrokenLane:
+    """A fast lane whose bookkeeping raises: whatever goes wrong in one round must not end the thread."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def open_calls(self, table, path):
+        return ()
+
+    def expired(self, now):
+        self.calls += 1
+        raise KeyError("broken lane")
+
+
+def test_the_deadline_thread_survives_any_exception_counts_each_restart_and_logs_it_once(cap):
+    reaped = kvobs.KVObserver("reaped", registry=cap.registry, integrity=None, deadline=0.02, lock_timeout=0.5)
+    lane = _BrokenLane()
+    before = _REAPER.restarts
+    with structlog.testing.capture_logs() as logs:
+        reaped.open.watch_lane(lane)
+        deadline = time.monotonic() + 5
+        while lane.calls < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        reaped.open.lanes.remove(lane)
+    assert lane.calls >= 3, "the deadline thread stopped after the first failure"
+    assert _abandoned_within(reaped, 5.0)
+    restarts = _REAPER.restarts - before
+    assert restarts >= 3
+    assert cap.value(sc.TELEMETRY_ERRORS_TOTAL, engine="reaped", stage=STAGE_DEADLINE_THREAD) == restarts
+    lines = [line for line in logs if line["event"] == EVENT_RESTARTED]
+    assert len(lines) == 1 and lines[0]["error_type"] == "KeyError", lines
+
+
+def test_an_asynchronous_exception_in_the_deadline_thread_is_survived(cap):
+    """SystemExit injected into the thread (PyThreadState_SetAsyncExc, as a debugger or a watchdog would):
+    the thread goes on and counts the restart."""
+    reaped = kvobs.KVObserver("reaped", registry=cap.registry, integrity=None, deadline=0.02, lock_timeout=0.5)
+    thread = _REAPER._thread
+    assert thread is not None and thread.is_alive()
+    before = _REAPER.restarts
+    set_async_exc = ctypes.pythonapi.PyThreadState_SetAsyncExc
+    set_async_exc.argtypes = (ctypes.c_ulong, ctypes.py_object)
+    assert set_async_exc(thread.ident, SystemExit) == 1
+    deadline = time.monotonic() + 5
+    while _REAPER.restarts == before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _REAPER.restarts == before + 1
+    assert thread.is_alive() and _REAPER._thread is thread
+    assert _abandoned_within(reaped, 5.0)
+    assert cap.value(sc.TELEMETRY_ERRORS_TOTAL, engine="reaped", stage=STAGE_DEADLINE_THREAD) == 1
