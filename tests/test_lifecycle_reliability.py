@@ -19,7 +19,10 @@ import kvobs
 from kvobs import semconv as sc
 from kvobs.errors import LockTimeout, TransferRejected
 from kvobs.open_transfers import _REAPER, EVENT_RESTARTED
+from kvobs.telemetry import recorder as recorder_module
 from kvobs.telemetry.failures import STAGE_DEADLINE_THREAD
+from kvobs.telemetry.ratelimit import SUPPRESSED_FIELD
+from kvobs.testing import capture
 from kvobs.block_lock import BlockLock
 from support import lock_is_free
 
@@ -160,3 +163,59 @@ def test_an_asynchronous_exception_in_the_deadline_thread_is_survived(cap):
     assert thread.is_alive() and _REAPER._thread is thread
     assert _abandoned_within(reaped, 5.0)
     assert cap.value(sc.TELEMETRY_ERRORS_TOTAL, engine="reaped", stage=STAGE_DEADLINE_THREAD) == 1
+
+
+# --- floods of refused and abandoned transfers: few log lines, exact counts ------------------------------------
+
+
+def _lines(cap, event: str, outcome: str | None = None) -> list[dict]:
+    return [line for line in cap.logs if line["event"] == event and line.get("outcome") == outcome]
+
+
+def _told(lines: list[dict]) -> int:
+    """How many events the lines account for: each line, plus the ones it says were left out before it."""
+    return len(lines) + sum(line.get(SUPPRESSED_FIELD, 0) for line in lines)
+
+
+@pytest.fixture
+def short_log_interval(monkeypatch):
+    monkeypatch.setattr(recorder_module, "LOG_INTERVAL_S", 0.2)
+
+
+def test_a_flood_of_rejected_calls_logs_a_line_per_interval_with_exact_counts(short_log_interval):
+    with capture(engine="flood", integrity=None, log_level="warning") as cap:
+        @cap.observer.send(block_ids="ids")
+        def send(ids):
+            return ids
+
+        calls = 20_000
+        for _ in range(calls):
+            with pytest.raises(TransferRejected):
+                send([-1])
+        time.sleep(0.25)
+        with pytest.raises(TransferRejected):
+            send(None)  # the line after the flood tells how many were left out since the last one
+        lines = _lines(cap, "kvobs.transfer.rejected")
+        assert cap.value(sc.TRANSFERS_TOTAL, path="send", outcome="rejected") == calls + 1
+        assert len(lines) < 200, f"{len(lines)} lines for {calls} rejected calls"
+        assert _told(lines) == calls + 1
+
+
+def test_abandoning_a_flood_of_transfers_logs_a_line_per_interval_with_exact_counts(short_log_interval):
+    with capture(engine="flood", integrity=None, lock=None, deadline=0.05, log_level="warning") as cap:
+        obs = cap.observer
+        transfers = 5_000
+        for i in range(transfers):
+            obs.begin("send", block_ids=[i % 64])
+        end = time.monotonic() + 20
+        while cap.value(sc.TRANSFERS_TOTAL, path="send", outcome="abandoned") != transfers:
+            assert time.monotonic() < end, "the deadline thread did not abandon them all"
+            time.sleep(0.01)
+        time.sleep(0.25)
+        obs.begin("send", block_ids=[1])
+        while cap.value(sc.TRANSFERS_TOTAL, path="send", outcome="abandoned") != transfers + 1:
+            assert time.monotonic() < end
+            time.sleep(0.01)
+        lines = _lines(cap, "kvobs.transfer", sc.OUTCOME_ABANDONED)
+        assert len(lines) < 100, f"{len(lines)} lines for {transfers} abandoned transfers"
+        assert _told(lines) == transfers + 1
