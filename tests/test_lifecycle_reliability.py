@@ -8,9 +8,15 @@ Real threads and real signals throughout (the storm is a SIGALRM interval timer 
 from __future__ import annotations
 
 import ctypes
+import gc
+import random
+import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
 
 import pytest
 import structlog
@@ -18,6 +24,7 @@ import structlog
 import kvobs
 from kvobs import semconv as sc
 from kvobs.errors import LockTimeout, TransferRejected
+from kvobs.locks import ProcessLock
 from kvobs.open_transfers import _REAPER, EVENT_RESTARTED
 from kvobs.telemetry import recorder as recorder_module
 from kvobs.telemetry.failures import STAGE_DEADLINE_THREAD
@@ -219,3 +226,146 @@ def test_abandoning_a_flood_of_transfers_logs_a_line_per_interval_with_exact_cou
         lines = _lines(cap, "kvobs.transfer", sc.OUTCOME_ABANDONED)
         assert len(lines) < 100, f"{len(lines)} lines for {transfers} abandoned transfers"
         assert _told(lines) == transfers + 1
+
+
+# --- a with-block's exit is as interrupt-safe as a decorated call ----------------------------------------------
+
+
+def _storm_lock(kind: str, directory) -> Any:
+    if kind == "thread":
+        return kvobs.ThreadLock()
+    if kind == "process":
+        return ProcessLock("storm", directory=directory)
+    return BlockLock("storm", 64, directory=directory)
+
+
+class _WithBlocks:
+    """`with obs.transfer(...): pass`, the body empty so that the storm lands on the entry and the exit."""
+
+    def __init__(self, obs: kvobs.KVObserver) -> None:
+        self.obs = obs
+
+    def __call__(self) -> None:
+        with self.obs.transfer("send", block_ids=[1, 2]):
+            pass
+
+    def lock_is_free(self) -> bool:
+        lock = self.obs.lock
+        if self.obs.open.count("send"):
+            return False
+        if isinstance(lock, BlockLock):
+            return lock.blocks_claimed() == {"shared": 0, "exclusive": 0}
+        return lock_is_free(lock)
+
+    def recover(self) -> None:
+        for table in self.obs.open.by_path.values():
+            for t in list(table.values()):
+                t.abandon()
+
+
+class Storm(Exception):
+    """Raised by the storm's signal handler between two bytecodes of whatever runs."""
+
+
+def _spread_storm(calls: _WithBlocks, seconds: float = 2.0, interrupted_calls: int = 300,
+                  max_seconds: float = 15.0) -> tuple[int, int, int]:
+    """Like test_lifecycle_defects' storm (SIGALRM every 30 us), but each call lets a random 1-60 signals pass
+    before one raises, so that the interrupts land all over the with-block, its exit included, and not only
+    at its start. Returns (calls, interrupted, leaked)."""
+    rng = random.Random(22)
+    armed = [0]  # signals still to let pass before raising; 0: disarmed
+    done = interrupted = leaked = 0
+
+    def handler(signum, frame):
+        if armed[0]:
+            armed[0] -= 1
+            if not armed[0]:
+                raise Storm()
+
+    gc.collect()
+    gc.disable()
+    previous = signal.signal(signal.SIGALRM, handler)
+    signal.setitimer(signal.ITIMER_REAL, 30e-6, 30e-6)
+    start = time.monotonic()
+    try:
+        while (interrupted < interrupted_calls or time.monotonic() - start < seconds) \
+                and time.monotonic() - start < max_seconds:
+            done += 1
+            try:
+                armed[0] = rng.randint(1, 60)
+                calls()
+                armed[0] = 0
+            except Storm:
+                armed[0] = 0
+                interrupted += 1
+            if not calls.lock_is_free():
+                leaked += 1
+                calls.recover()
+    finally:
+        armed[0] = 0
+        signal.setitimer(signal.ITIMER_REAL, 0, 0)
+        signal.signal(signal.SIGALRM, previous)
+        gc.enable()
+    return done, interrupted, leaked
+
+
+@pytest.mark.parametrize("kind", ["thread", "process", "block"])
+def test_interrupt_storm_on_with_blocks_leaks_no_lock(tmp_path, kind):
+    lock = _storm_lock(kind, tmp_path)
+    obs = kvobs.KVObserver("storm", lock=lock, enabled=False, integrity=None, lock_timeout=1.0)
+    calls = _WithBlocks(obs)
+    rounds, interrupted, leaked = _spread_storm(calls)
+    assert interrupted >= 300, (rounds, interrupted)
+    assert leaked == 0, f"{leaked} of {interrupted} interrupted with-blocks left the lock held ({rounds} rounds)"
+    assert calls.lock_is_free()
+    calls()  # and the next with-block is neither a re-entry nor kept waiting
+
+
+class Interrupt(Exception):
+    pass
+
+
+def _interrupt_at(opcode: int) -> Callable[..., Any]:
+    """A trace function raising Interrupt before the `opcode`-th instruction run in the frames entered from now
+    on: what a signal handler raising there would do (a real one can only land where the interpreter checks
+    for signals; this lands on every instruction, a stricter test)."""
+    executed = [0]
+
+    def trace(frame: FrameType, event: str, arg: Any) -> Callable[..., Any]:
+        frame.f_trace_opcodes = True
+        if event == "opcode":
+            executed[0] += 1
+            if executed[0] == opcode:
+                raise Interrupt
+        return trace
+
+    return trace
+
+
+@pytest.mark.parametrize("body", ["clean", "raising"])
+def test_an_interrupt_at_any_instruction_of_the_exit_leaks_nothing(tmp_path, body):
+    """For n = 1, 2, ...: interrupt the with-block's exit before its n-th instruction (n = 1: before anything
+    in `__exit__` runs), until an exit runs to its end. No lock, open transfer or active entry is left."""
+    lock = BlockLock("exit", 8, directory=tmp_path)
+    obs = kvobs.KVObserver("exit", lock=lock, integrity=None, lock_timeout=0.5, enabled=False)
+    calls = _WithBlocks(obs)
+    finished = False
+    for opcode in range(1, 10_000):
+        try:
+            with obs.transfer("send", block_ids=[1, 2]):
+                sys.settrace(_interrupt_at(opcode))
+                if body == "raising":
+                    raise KeyError("the body failed")
+            finished = True
+        except KeyError:
+            finished = True  # the body's own exception came out: the exit ran to its end
+        except Interrupt:
+            pass
+        finally:
+            sys.settrace(None)
+        assert calls.lock_is_free(), f"interrupted before instruction {opcode} of the exit"
+        if finished:
+            break
+    assert finished and opcode > 20
+    calls()
+    lock.close()
