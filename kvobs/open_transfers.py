@@ -7,8 +7,9 @@ may end it. One daemon thread per process abandons open transfers past their dea
 observers' tables weakly and is restarted in a forked child, where the parent's open transfers are
 forgotten. Nothing may end that thread: without it a lost completion holds the lock for ever. A round that
 raises, whatever it raised, is counted as a restart under every watched observer's
-`kvobs_telemetry_errors_total{stage="deadline_thread"}` and logged once per interval, and the rounds go on. Calls on the fast lane (`kvobs.fast_lane`) are counted, aged and abandoned through the lanes a
-table watches: a lane's slot is open exactly while its release is pending.
+`kvobs_telemetry_errors_total{stage="deadline_thread"}` and logged once per interval, and the rounds go on.
+Calls on the fast lane (`kvobs.fast_lane`) are counted, aged and abandoned through the lanes a table watches:
+a lane's slot is open exactly while its release is pending.
 """
 
 from __future__ import annotations
