@@ -7,6 +7,7 @@ Real threads and real signals throughout (the storm is a SIGALRM interval timer 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import random
@@ -31,7 +32,7 @@ from kvobs.telemetry.failures import STAGE_DEADLINE_THREAD
 from kvobs.telemetry.ratelimit import SUPPRESSED_FIELD
 from kvobs.testing import capture
 from kvobs.block_lock import BlockLock
-from support import lock_is_free
+from support import lock_is_free, lock_is_free_from_other_thread
 
 # --- block_ids=None is refused, omitting it claims the whole cache -------------------------------------------
 
@@ -369,3 +370,26 @@ def test_an_interrupt_at_any_instruction_of_the_exit_leaks_nothing(tmp_path, bod
     assert finished and opcode > 20
     calls()
     lock.close()
+
+
+def test_looking_the_exit_up_outside_a_with_statement_changes_nothing(cap):
+    """The exit a `with` statement finds releases when it is dropped; one looked up by anyone else (hasattr,
+    ExitStack, a kept reference) must neither release early nor leave the lock held."""
+    obs = cap.observer
+    t = obs.transfer("send", block_ids=[1])
+    assert hasattr(t, "__exit__")  # a fresh exit, dropped at once, before the with-block
+    with t:
+        assert hasattr(t, "__exit__")  # dropped while the block runs: must not release it
+        assert not lock_is_free_from_other_thread(obs.lock)
+    assert lock_is_free(obs.lock) and t.state == "done"
+    with contextlib.ExitStack() as stack:
+        entered = stack.enter_context(obs.transfer("send", block_ids=[1]))
+        assert not lock_is_free_from_other_thread(obs.lock)
+    assert lock_is_free(obs.lock) and entered.state == "done"
+    kept_early = obs.transfer("send", block_ids=[1])
+    kept = kept_early.__exit__
+    with kept_early:
+        assert not lock_is_free_from_other_thread(obs.lock)
+    del kept
+    assert lock_is_free(obs.lock) and kept_early.state == "done"
+    assert cap.value(sc.TRANSFERS_TOTAL, path="send", outcome="ok") == 3
