@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from itertools import islice
 from time import perf_counter
 from types import MethodType
@@ -52,11 +52,11 @@ CorruptHandler = Callable[["Transfer", tuple[int, ...]], Any]
 
 
 class _ExitOfWith:
-    """`Transfer.__exit__`: the lock of a with-block is released even when the exit never starts.
+    """`Transfer.__exit__` and `__aexit__`: a with-block's lock is released even when its exit never starts.
 
     A signal handler that raises (Ctrl-C) runs at the first instruction of any Python function, so it can land
-    at the start of `__exit__` before anything there runs, and the with-block's lock would stay held until the
-    deadline. The `with` statement looks `__exit__` up before it calls `__enter__` and keeps what it found on the
+    at the start of the exit before anything there runs, and the with-block's lock would stay held until the
+    deadline. The `with` statement looks the exit up before it calls `__enter__` and keeps what it found on the
     interpreter's stack, the only reference, until it has called it. So for a transfer not yet begun, this
     gives it a fresh callable whose death runs the transfer's undo steps (in C: a weak reference's callback,
     sharing the one shot of `_release`). After a complete exit they have run, and nothing happens; after an
@@ -64,12 +64,29 @@ class _ExitOfWith:
     already begun (after `__enter__`, or on `obs.begin`'s), it is the plain method.
     """
 
+    def __init__(self, method: str) -> None:
+        self.method = method
+
     def __get__(self, t: Transfer | None, owner: type | None = None) -> Callable[..., Any]:
+        function = getattr(Transfer, self.method)
         if t is None:
-            return Transfer._exit
+            return function
         if t.state != NEW:
-            return MethodType(Transfer._exit, t)
-        return t._exit_releasing_when_dropped()
+            return MethodType(function, t)
+        return t._exit_releasing_when_dropped(function)
+
+
+class _Done:
+    """An awaitable already done: the async exit does its work when called, as the sync one (see _ExitOfWith:
+    the callable, not a coroutine awaited later, is what must die for the lock to be released)."""
+
+    __slots__ = ()
+
+    def __await__(self) -> Iterator[None]:
+        return iter(())
+
+
+_DONE = _Done()
 
 
 class Transfer:
@@ -295,13 +312,13 @@ class Transfer:
     def __enter__(self) -> Transfer:
         return self.start(in_context=True)
 
-    __exit__ = _ExitOfWith()
+    __exit__ = _ExitOfWith("_exit")
 
-    def _exit_releasing_when_dropped(self) -> Callable[..., Any]:
+    def _exit_releasing_when_dropped(self, exit_function: Callable[..., Any]) -> Callable[..., Any]:
         """The exit a `with` statement calls: its death releases whatever is still held (see _ExitOfWith)."""
         held = self._held = deque()
         self._release, release_when_dropped = one_shot_release_when_dropped(held)
-        exit_call = functools.partial(Transfer._exit, self)
+        exit_call = functools.partial(exit_function, self)
         self._exit_watch = weakref.ref(exit_call, release_when_dropped)
         return exit_call
 
@@ -331,8 +348,12 @@ class Transfer:
             raise
         return self
 
-    async def __aexit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+    __aexit__ = _ExitOfWith("_aexit")
+
+    def _aexit(self, exc_type: Any, exc: BaseException | None, tb: Any) -> _Done:
+        """`_exit`, done now; what `async with` then awaits is already done."""
         self._exit(exc_type, exc, tb)
+        return _DONE
 
     def _refuse_reuse(self) -> None:
         if self.state != NEW:

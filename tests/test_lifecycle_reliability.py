@@ -393,3 +393,38 @@ def test_looking_the_exit_up_outside_a_with_statement_changes_nothing(cap):
     del kept
     assert lock_is_free(obs.lock) and kept_early.state == "done"
     assert cap.value(sc.TRANSFERS_TOTAL, path="send", outcome="ok") == 3
+
+
+@pytest.mark.parametrize("body", ["clean", "raising"])
+def test_an_interrupt_at_any_instruction_of_an_async_exit_leaks_nothing(tmp_path, body):
+    """The same for `async with`: its exit is awaited, and the interrupt may land before its first instruction.
+    The coroutine is driven by hand (nothing in it waits), so no event loop runs under the trace."""
+    lock = BlockLock("aexit", 8, directory=tmp_path)
+    obs = kvobs.KVObserver("aexit", lock=lock, integrity=None, lock_timeout=0.5, enabled=False)
+    calls = _WithBlocks(obs)
+
+    async def block(opcode: int) -> None:
+        try:
+            async with obs.transfer("send", block_ids=[1, 2]):
+                sys.settrace(_interrupt_at(opcode))
+                if body == "raising":
+                    raise KeyError("the body failed")
+        finally:
+            sys.settrace(None)
+
+    finished = False
+    for opcode in range(1, 10_000):
+        try:
+            block(opcode).send(None)
+        except StopIteration:
+            finished = True
+        except KeyError:
+            finished = True  # the body's own exception came out: the exit ran to its end
+        except Interrupt:
+            pass
+        assert calls.lock_is_free(), f"interrupted before instruction {opcode} of the exit"
+        if finished:
+            break
+    assert finished and opcode > 20
+    calls()
+    lock.close()
