@@ -30,6 +30,8 @@ BAD_CALLS = [
     ("bool id", dict(keys=None, ids=[True]), "block id True is a bool, not an int"),
     ("str ids", dict(keys=None, ids="12"), "block ids must be a sequence of ints, got str"),
     ("2-D tensor", dict(keys=None, ids=torch.zeros(2, 2, dtype=torch.int64)), "must be one-dimensional"),
+    ("meta tensor", dict(keys=None, ids=torch.tensor([1, 2], device="meta")),
+     "block ids are a meta tensor: it holds no values to read"),
     ("keys as a str", dict(keys="abc", ids=[1, 2, 3]), "keys must be a sequence of storage keys, got str"),
     ("async call", dict(keys=None, ids=[1], is_sync=False), "asynchronous transfers (is_sync=False) need"),
     ("non-bool sync", dict(keys=None, ids=[1], is_sync="yes"), "is_sync must be a bool"),
@@ -61,6 +63,20 @@ def test_bad_input_is_rejected_before_the_lock(cap, path, name, call, message):
     assert lock_is_free(obs.lock)
     assert cap.registry.get_sample_value(
         sc.TRANSFERS_TOTAL, {"engine": "v", "path": path, "outcome": "rejected"}) == 1
+
+
+@pytest.mark.parametrize("values", [dict(block_ids=torch.tensor([1, 2], device="meta")),
+                                    dict(requests={"r1": torch.tensor([1], device="meta")})])
+def test_meta_tensor_ids_given_to_a_transfer_are_rejected_and_counted(cap, values):
+    cache = torch.zeros(8, 4)
+    with pytest.raises(kvobs.TransferRejected, match="a meta tensor: it holds no values to read"):
+        with cap.observer.transfer("send", cache=cache, **values):
+            pass
+    with pytest.raises(kvobs.TransferRejected, match="a meta tensor"):
+        cap.observer.begin("prefetch", cache=cache, **values)
+    assert lock_is_free(cap.observer.lock)
+    assert cap.value(sc.TRANSFERS_TOTAL, path="send", outcome="rejected") == 1
+    assert cap.value(sc.TRANSFERS_TOTAL, path="prefetch", outcome="rejected") == 1
 
 
 def test_send_accepts_async_calls_by_default(cap):

@@ -81,6 +81,8 @@ def _array_to_list(block_ids: Any) -> list[Any] | None:
         if not hasattr(block_ids, "__dlpack__"):
             return None
         block_ids = torch.from_dlpack(block_ids)
+    if block_ids.is_meta:  # torch would raise NotImplementedError from tolist()
+        raise ValueError("block ids are a meta tensor: it holds no values to read")
     if block_ids.is_floating_point() or block_ids.is_complex() or block_ids.dtype == torch.bool:
         raise TypeError(f"block ids must be integers, got a {block_ids.dtype} tensor")
     return block_ids.reshape(-1).tolist()
