@@ -7,6 +7,7 @@ imported until a subcommand runs: `kvobs --help` does not import torch.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import sys
@@ -124,6 +125,8 @@ def _demo(args: argparse.Namespace) -> int:
     problems = demo_conflicts(args)
     if problems:
         args.parser.error("; ".join(problems))
+    if importlib.util.find_spec("torch") is None:  # the simulated engine's KV cache is a torch tensor
+        args.parser.exit(2, "kvobs demo needs torch, which is not installed: pip install 'kvobs[torch]'\n")
     from kvobs.sim.demo import DemoOptions, run_demo, serve
     from kvobs.sim.engine import SimulationFailed
     from kvobs.sim.report import format_table
