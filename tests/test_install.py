@@ -7,7 +7,9 @@ One fresh virtual environment is built per test run, in a temporary directory, f
 
 from __future__ import annotations
 
+import os
 import shutil
+import socket
 import subprocess
 import sys
 import textwrap
@@ -29,6 +31,7 @@ PLAIN_USE = textwrap.dedent(
     import kvobs
 
     assert importlib.util.find_spec("torch") is None, "torch is installed"
+    assert "site-packages" in kvobs.__file__, kvobs.__file__
     cache = np.zeros((16, 4, 8), dtype=np.float16)      # [blocks, tokens, dim]
     cache[5, 1, 2] = np.nan
     cache[9, 0, 0] = np.inf
@@ -60,8 +63,15 @@ PLAIN_USE = textwrap.dedent(
 )
 
 
-def run(*command: str | Path, cwd: Path | None = None, timeout: float = 600) -> str:
-    proc = subprocess.run([str(c) for c in command], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+def clean_environment(**extra: str) -> dict[str, str]:
+    """This process's environment without what would put the repository's kvobs on the path."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PROMETHEUS_MULTIPROC_DIR")}
+    return {**env, **extra}
+
+
+def run(*command: str | Path, cwd: Path | None = None, timeout: float = 600, **env: str) -> str:
+    proc = subprocess.run([str(c) for c in command], cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                          env=clean_environment(**env))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
 
@@ -77,7 +87,7 @@ def plain_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     shutil.copytree(REPO / "kvobs", source / "kvobs", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     run(sys.executable, "-m", "venv", root / "venv")
     python = root / "venv" / "bin" / "python"
-    run(python, "-m", "pip", "install", "--quiet", str(source))
+    run(python, "-m", "pip", "install", "--quiet", "--no-compile", str(source))
     return python
 
 
@@ -86,7 +96,8 @@ def test_plain_install_has_no_torch(plain_venv):
     names = {line.split("==")[0] for line in installed}
     assert "kvobs" in names
     assert not {name for name in names if name in ("torch", "triton", "numba") or name.startswith("nvidia-")}
-    proc = subprocess.run([plain_venv, "-c", "import torch"], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([plain_venv, "-c", "import torch"], capture_output=True, text=True, timeout=60,
+                          env=clean_environment())
     assert proc.returncode != 0 and "No module named 'torch'" in proc.stderr
 
 
@@ -102,7 +113,25 @@ def test_plain_install_checks_a_numpy_cache_and_guards_a_transfer(plain_venv, tm
 
 def test_plain_install_demo_says_which_extra_it_needs(plain_venv, tmp_path):
     proc = subprocess.run([plain_venv.parent / "kvobs", "demo"], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=120)
+                          timeout=120, env=clean_environment())
     assert proc.returncode == 2
     assert "kvobs demo needs torch, which is not installed: pip install 'kvobs[torch]'" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_examples_run_on_the_plain_install_without_the_test_tree(plain_venv, tmp_path):
+    """What the README tells a user to install is enough for every example: the engine examples say what they
+    need and exit 0."""
+    examples = shutil.copytree(REPO / "examples", tmp_path / "examples")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        nobody_listens = f"http://127.0.0.1:{s.getsockname()[1]}"
+    for script in sorted(examples.glob("*.py")):
+        proc = subprocess.run([plain_venv, script], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                              env=clean_environment(OTEL_EXPORTER_OTLP_ENDPOINT=nobody_listens))
+        assert proc.returncode == 0, (script.name, proc.stdout + proc.stderr)
+        assert "Traceback" not in proc.stderr, (script.name, proc.stderr)
+        if script.name in ("vllm_connector.py", "sglang_hicache.py"):
+            assert proc.stdout.startswith("skipped: needs "), (script.name, proc.stdout)
+        else:
+            assert "skipped" not in proc.stdout, (script.name, proc.stdout)
