@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_demo_arguments(demo: argparse.ArgumentParser) -> None:
     demo.add_argument("--duration", type=duration, metavar="S",
-                      help=f"seconds per run (default {DEFAULT_DURATION_S:g}; the default demo takes about 30 s in "
+                      help=f"seconds per run (default {DEFAULT_DURATION_S:g}; the default demo takes 35-40 s in "
                            "all); with --serve: stop after S seconds (default: run until SIGINT/SIGTERM)")
     demo.add_argument("--seed", type=seed, default=0, metavar="N", help="workload seed (default 0)")
     demo.add_argument("--metrics-port", type=port, metavar="P",

@@ -25,7 +25,7 @@ def test_readme_example_runs(code, tmp_path):
 
 def test_readme_stays_short_and_has_exactly_two_set_up_commands():
     text = README.read_text()
-    assert len(text.splitlines()) < 300  # details live in docs/
+    assert len(text.splitlines()) < 340  # details live in docs/ (the demo's output is shown whole: 35 lines)
     set_up = text.split("## Set up", 1)[1].split("\n## ", 1)[0]
     (commands,) = re.findall(r"```bash\n(.*?)```", set_up, flags=re.S)
     assert [line.split("#")[0].strip() for line in commands.splitlines()] == [
