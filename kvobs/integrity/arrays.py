@@ -53,4 +53,5 @@ def from_dlpack(value: Any, what: str) -> Any:
                 f"{what}: NumPy cannot read this {type(value).__name__} through DLPack ({exc}); torch reads GPU "
                 f"memory and dtypes NumPy lacks, but it is not installed: {TORCH_EXTRA}"
             ) from exc
-        raise TypeError(f"{what}: cannot read this {type(value).__name__} through DLPack without a copy: {exc}") from exc
+        name = type(value).__name__
+        raise TypeError(f"{what}: cannot read this {name} through DLPack without a copy: {exc}") from exc

@@ -7,10 +7,11 @@ NaN and Inf told apart in the same pass, no temporary, no float arithmetic, so i
 whether the blocks are adjacent or scattered.
 
 The kernel needs numba (the `fast` extra). Without it, or when compiling fails, `plan()` returns None
-and the caller uses the pure-torch path (or the NumPy one where torch is not installed); `unavailable_reason()` says why. Compiled code is cached on disk
-where numba finds a writable cache directory (NUMBA_CACHE_DIR, else next to the module, else the user's
-cache directory); where none is writable it is compiled in memory, once per process. The compiled function
-releases the GIL and holds no state: concurrent checks from many threads are safe.
+and the caller uses the pure-torch path (the NumPy one where torch is not installed);
+`unavailable_reason()` says why. Compiled code is cached on disk where numba finds a writable cache
+directory (NUMBA_CACHE_DIR, else next to the module, else the user's cache directory); where none is
+writable it is compiled in memory, once per process. The compiled function releases the GIL and holds no
+state: concurrent checks from many threads are safe.
 """
 
 from __future__ import annotations
