@@ -77,6 +77,57 @@ def check_multiprocess_dir(*, writable: bool = True) -> None:
                 "so this process would keep its values to itself); set it before the process starts")
 
 
+# -- gauges of processes that are gone ------------------------------------------------------------------------
+
+_LIVE_GAUGE_FILE = re.compile(r"gauge_live[a-z]+_(\d+)\.db")
+
+
+def clear_dead_processes(directory: str | None = None) -> list[int]:
+    """Remove the live-mode gauge files (livesum, livemax, ...) of every process that has ended; the pids.
+
+    Why: prometheus_client keeps a worker's last gauge values until someone calls `mark_process_dead(pid)`, and
+    forked workers that exit with os._exit or are killed never do: a dead worker's pending-signal age stayed
+    in the sum and fired the stale-signal alert. Called before every multiprocess scrape (`scrape_registry`);
+    an exporter of one's own calls it the same way. The scraping process must see the workers' pids (the same
+    pid namespace, as in one container); counters and histograms of dead workers are kept, as they should be.
+    """
+    from prometheus_client.multiprocess import mark_process_dead
+
+    directory = directory or multiprocess_dir()
+    if directory is None:
+        return []
+    pids = set()
+    for name in os.listdir(directory):
+        match = _LIVE_GAUGE_FILE.fullmatch(name)
+        if match:
+            pids.add(int(match.group(1)))
+    dead = sorted(pid for pid in pids if not _running(pid))
+    for pid in dead:
+        try:
+            mark_process_dead(pid, directory)
+        except FileNotFoundError:
+            pass  # another scrape removed it first
+    return dead
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` exists and has not ended (an exited child not yet reaped has ended)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            state = stat.read().rpartition(b")")[2].split()[0]
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc here: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    return state not in (b"Z", b"X")
+
+
 # -- the space of this process's files ----------------------------------------------------------------------------
 
 _NEW_FILE_BYTES = 1 << 16  # the size prometheus_client gives a new file; one that exists it keeps as it is
