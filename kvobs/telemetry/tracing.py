@@ -96,9 +96,11 @@ def configure_tracing(
     OTEL_EXPORTER_OTLP[_TRACES]_TIMEOUT (`timeout`, seconds per export). Arguments win over them.
 
     Trace and span ids come from a generator of kvobs's own, unique per process even when the application seeds
-    `random` alike everywhere (vLLM seeds it with 0). Every failed export is counted in kvobs_telemetry_errors_total{engine="", stage="export"} and logged once
-    per interval; shutting the provider down (at exit, too) takes at most about `timeout` seconds even when
-    the collector is unreachable.
+    `random` alike everywhere (vLLM seeds it with 0). Every failed export and every span dropped from the full
+    queue is counted in kvobs_telemetry_errors_total{engine="", stage="export"} and logged once per interval;
+    `force_flush(ms)` returns within its timeout, True only when everything ended before it was exported;
+    shutting the provider down (at exit, too) takes at most about `timeout` seconds even when the collector is
+    unreachable.
     """
     from opentelemetry.sdk.resources import SERVICE_NAME, Resource
     from opentelemetry.sdk.trace import TracerProvider as SdkTracerProvider
@@ -112,8 +114,8 @@ def configure_tracing(
     provider = SdkTracerProvider(resource=Resource.create(attributes), id_generator=UNIQUE_IDS)
     if exporter is None:
         exporter = otlp_exporter(endpoint=endpoint, protocol=protocol, timeout=timeout_s)
-    provider.add_span_processor(BoundedBatchSpanProcessor(CountingSpanExporter(exporter, process_failures()),
-                                                          timeout_s))
+    failed = process_failures()
+    provider.add_span_processor(BoundedBatchSpanProcessor(CountingSpanExporter(exporter, failed), timeout_s, failed))
     if set_global:
         trace.set_tracer_provider(provider)
     return provider
