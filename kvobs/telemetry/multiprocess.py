@@ -231,7 +231,8 @@ def _file_path(prefix: str, pid: int) -> str:
 
 
 def _file_state(path: str) -> tuple[int, int, int]:
-    """(size, bytes allocated from the start without a hole, bytes in use) of a metric file; zeros if missing."""
+    """(size, bytes allocated from the start without a hole, bytes in use) of a metric file; a missing one has
+    no size and its header in use."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
