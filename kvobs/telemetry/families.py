@@ -29,7 +29,7 @@ from kvobs.forks import renewed_after_fork
 from kvobs.telemetry.accumulators import CounterFamily, GaugeCell, GaugeFamily, HistogramFamily
 from kvobs.telemetry.buffers import ThreadBuffers
 from kvobs.telemetry.failures import TELEMETRY_ERRORS_HELP
-from kvobs.telemetry.multiprocess import ReservedMetric, check_multiprocess_dir, multiprocess_enabled
+from kvobs.telemetry.multiprocess import FILE_SPACE, ReservedMetric, check_multiprocess_dir, multiprocess_enabled
 from kvobs.telemetry.process_failures import process_failures, show_process_failures
 from kvobs.telemetry.refresher import Refresher
 
@@ -233,6 +233,8 @@ class _Collector:
     def collect(self) -> Iterator[Metric]:
         families = self._families
         if families.multiprocess:
+            if not FILE_SPACE.writable():  # reading a value rewrites a forked child's files: they need space
+                return
             for family in families.ordered:
                 yield from family.collect()
             return
