@@ -141,14 +141,18 @@ FORKED_SIGNALS = """
     Refresher.shared().refresh()
     print(value("kvobs_pending_signals", engine="signals"))
     print(value("kvobs_pending_signal_oldest_age_seconds", engine="signals") > 0)
+    os.close(child_writes)
     os.write(parent_writes, b"x")
-    os.waitpid(pid, 0)
+    os.read(parent_reads, 1)  # end of file: the worker has exited; not reaped yet, it is a zombie
+    wait_for(lambda: open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()[0] == "Z", "a zombie worker")
     print(value("kvobs_pending_signals", engine="signals"))
     print(value("kvobs_pending_signal_oldest_age_seconds", engine="signals"))
+    os.waitpid(pid, 0)
+    print(value("kvobs_pending_signals", engine="signals"))
 """
 
 
 def test_a_forked_worker_reports_only_its_own_signals_and_a_dead_ones_gauges_clear(tmp_path):
-    """The worker's 2 pending signals while it lives (not the parent's 10 again); nothing once it is dead,
-    so the stale-signal alert cannot fire on a worker that is gone."""
-    assert run(tmp_path, FORKED_SIGNALS).split() == ["2.0", "True", "0.0", "0.0"]
+    """The worker's 2 pending signals while it lives (not the parent's 10 again); nothing once it has ended,
+    reaped or not, so the stale-signal alert cannot fire on a worker that is gone."""
+    assert run(tmp_path, FORKED_SIGNALS).split() == ["2.0", "True", "0.0", "0.0", "0.0"]
