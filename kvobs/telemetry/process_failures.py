@@ -22,7 +22,7 @@ from kvobs.telemetry.multiprocess import FILE_SPACE, ReservedMetric, check_multi
 
 __all__ = ["process_failures", "show_process_failures"]
 
-_STAGES = (STAGE_EXPORT, STAGE_METRICS)
+_STAGES = (STAGE_EXPORT, STAGE_METRICS)  # metric files fail only in multiprocess mode
 
 
 class _ProcessFailures:
@@ -64,7 +64,7 @@ class _ProcessFailures:
 
 def _new_counters() -> dict[str, Any]:
     if not multiprocess_enabled():
-        return {stage: CounterCell(threading.Lock()) for stage in _STAGES}
+        return {STAGE_EXPORT: CounterCell(threading.Lock())}
     check_multiprocess_dir()
     name = sc.TELEMETRY_ERRORS_TOTAL
     labelnames = sc.METRIC_LABELS[name]
