@@ -174,3 +174,26 @@ def test_a_forked_worker_with_room_still_records_its_calls(tmpfs):
     registry = scrape(tmpfs)
     assert registry.get_sample_value(sc.TRANSFERS_TOTAL, {"engine": "roomy", "path": "send", "outcome": "ok"}) == 5
     assert registry.get_sample_value(sc.TRANSFER_BLOCKS_TOTAL, {"engine": "roomy", "path": "send"}) == 13
+
+
+TEMPLATE_GONE = """
+    import glob
+
+    obs = kvobs.KVObserver("orphan", integrity=None)
+    send = guarded(obs)
+    send([1])
+    for path in glob.glob(os.path.join(directory, f"*_{os.getpid()}.db")):
+        os.unlink(path)  # as a scraper clears a parent that ended before its worker first wrote
+    fill(directory)
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if sum(send([1, 2, 3]) for _ in range(20)) == 60 else 3)
+    print("status", os.waitpid(pid, 0)[1], flush=True)
+"""
+
+
+def test_a_forked_worker_whose_parent_files_are_gone_still_never_writes_into_a_hole(tmpfs):
+    """The worker sizes its files from the series kvobs created, when the parent's files are not there."""
+    proc = run(tmpfs, TEMPLATE_GONE)
+    assert proc.returncode == 0, died_of(proc)
+    assert "status 0" in proc.stdout, proc.stdout + proc.stderr

@@ -148,6 +148,7 @@ class FileSpace:
         self.usable = True
         self.refused = False
         self.template_pid: int | None = None  # in a forked child: the process whose files it copies
+        self._series_bytes: dict[str, int] = {}  # prefix -> what kvobs's series take in a file of that prefix
         self._counters: dict[str, Any] = {}  # the process's failure counter, once it exists
         self._failed = TelemetryFailures("", self._counters)
 
@@ -171,18 +172,16 @@ class FileSpace:
             return False
         path = _file_path(prefix, self.pid)
         size, allocated, used = _file_state(path)
-        target = size or _NEW_FILE_BYTES
-        while used + nbytes > target:  # prometheus_client doubles a file that is full
-            target *= 2
-        if target <= allocated:
-            return True
-        try:
-            _allocate(path, target)
-        except OSError as exc:
-            if not size:
-                _remove(path)  # an empty file would break every scrape
-            self._report(path, target, exc, "a new series is not recorded")
-            return False
+        target = _grown(size, used + nbytes)
+        if target > allocated:
+            try:
+                _allocate(path, target)
+            except OSError as exc:
+                if not size:
+                    _remove(path)  # an empty file would break every scrape
+                self._report(path, target, exc, "a new series is not recorded")
+                return False
+        self._series_bytes[prefix] = self._series_bytes.get(prefix, 0) + nbytes
         return True
 
     def _writable_locked(self) -> bool:
@@ -191,12 +190,16 @@ class FileSpace:
         return self.usable
 
     def _allocate_copies(self) -> None:
-        """In a forked child: allocate this pid's files at the size of the template's, before prometheus_client
-        rewrites every series into them; on failure remove what was created and refuse for good."""
+        """In a forked child: allocate this pid's files at the size of the template's (at least what kvobs's
+        own series take, should the template's files be gone), before prometheus_client rewrites every series
+        into them; on failure remove what was created and refuse for good."""
+        sizes = dict(_files_of(self.template_pid))
+        for prefix, nbytes in self._series_bytes.items():
+            sizes[prefix] = max(sizes.get(prefix, 0), _grown(0, _USED.size * 2 + nbytes))
         created: list[str] = []
         path, size = "", 0
         try:
-            for prefix, size in _files_of(self.template_pid):
+            for prefix, size in sizes.items():
                 path = _file_path(prefix, self.pid)
                 if not os.path.exists(path):
                     created.append(path)
@@ -224,6 +227,15 @@ class FileSpace:
 
 FILE_SPACE = FileSpace()
 os.register_at_fork(after_in_child=FILE_SPACE._after_fork_in_child)
+
+
+def _grown(size: int, needed: int) -> int:
+    """The size prometheus_client gives a file of `size` bytes (new: none) once `needed` bytes are in use:
+    it doubles a file that is full."""
+    target = size or _NEW_FILE_BYTES
+    while needed > target:
+        target *= 2
+    return target
 
 
 def _file_path(prefix: str, pid: int) -> str:
