@@ -113,14 +113,15 @@ def test_exit_with_a_dead_collector_is_bounded_by_the_export_timeout():
     assert exit_s < timeout_s + 5, f"exit took {exit_s:.1f} s"
 
 
-def test_flush_with_the_collector_down_is_bounded_honest_and_counts_every_dropped_span(monkeypatch):
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+def test_flush_with_the_collector_down_is_bounded_honest_and_counts_every_dropped_span(monkeypatch, protocol):
     """The real OTLP exporter against a closed port, its timeout 10 s: a burst larger than the queue drops spans,
     each counted; force_flush(3000 ms) returns within its timeout, and False, since nothing was exported."""
     monkeypatch.setenv("OTEL_BSP_MAX_QUEUE_SIZE", "64")
     monkeypatch.setenv("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "16")
     registry = CollectorRegistry()
     MetricFamilies.of(registry)
-    provider = kvobs.configure_tracing("down", endpoint=f"http://127.0.0.1:{closed_port()}", protocol="grpc",
+    provider = kvobs.configure_tracing("down", endpoint=f"http://127.0.0.1:{closed_port()}", protocol=protocol,
                                        timeout=10, set_global=False)
     before = export_errors(registry)
     try:
