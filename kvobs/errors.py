@@ -178,6 +178,21 @@ class InvalidOption(KVObsError, ValueError):
     template = "{name}={value!r} is not understood: {expected}"
 
 
+class MultiprocessDirFull(KVObsError):
+    """A metric file in PROMETHEUS_MULTIPROC_DIR could not get its space: kvobs records no new series there
+    (a file left without its space would kill the process with SIGBUS at the next write)."""
+
+    path: str
+    size: int
+    reason: str
+    consequence: str
+
+    template = (
+        "cannot reserve {size} bytes for the metric file {path!r} ({reason}): {consequence}; free space in the "
+        "multiprocess directory or give its filesystem more (Docker's /dev/shm is 64 MB by default)"
+    )
+
+
 class UnsafeLockFile(KVObsError, PermissionError):
     """A lock file or lock directory kvobs refuses to use; `reason` says why, `path` says which."""
 
