@@ -180,6 +180,28 @@ class BlockLock:
         when they cannot be had within `timeout` seconds."""
         return BlockClaim(self, Claim(holder, tuple(blocks), exclusive), timeout)
 
+    def queue_writer(self, queued: Held, claim: Claim) -> None:
+        """Queue a writer that waits holding no block (an async waiter between its zero-timeout tries): hold
+        the turnstile of every run of `claim` that is free, on a description of its own whose undo steps
+        `queued` keeps across calls, so readers arriving from now on wait behind it and those inside drain.
+        Without it such a writer finds the blocks free only if the readers happen to leave a gap. Readers
+        (shared claims) never queue: a no-op for them.
+
+        Safe to hold for as long as the writer waits: only a reader that holds nothing waits for a turnstile.
+        """
+        if not claim.exclusive:
+            return
+        plan = self._planner.plan(claim)
+        if not queued:
+            fd = self._descriptions.take(queued)
+            queued.appendleft(functools.partial(fcntl.fcntl, fd, ofd.F_OFD_SETLK, ofd.UNLOCK_ALL))
+        setlk = functools.partial(fcntl.fcntl, queued[0].args[0], ofd.F_OFD_SETLK)
+        code = self._holders.code(claim.holder)
+        for start, length in zip(plan.starts, plan.lengths):
+            gate = self.num_blocks + start
+            if ofd.granted(setlk, ofd.pack(fcntl.F_WRLCK, gate, length)):
+                self._holders.stamp([gate], code)
+
     # --- inside a claim ------------------------------------------------------------------------------
 
     def _lock(

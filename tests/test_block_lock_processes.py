@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import fcntl
 import multiprocessing
 import os
 import random
@@ -16,6 +18,7 @@ from typing import Any
 import pytest
 from support import process_holding
 
+from kvobs import ofd
 from kvobs.atomic import release_now
 from kvobs.block_lock import BlockLock
 from kvobs.locks import Claim
@@ -221,3 +224,81 @@ def test_writer_is_not_starved_by_readers_in_other_processes(tmp_path: Path) -> 
             proc.join(timeout=30)
     assert writer is not None, "the writer starved behind readers in other processes"
     assert all(proc.exitcode == 0 for proc in readers)
+
+
+READERS = """
+import sys, time
+from collections import deque
+from kvobs.atomic import release_now
+from kvobs.block_lock import BlockLock
+from kvobs.locks import Claim
+directory, stagger = sys.argv[1], float(sys.argv[2])
+lock = BlockLock.attach("kv", 32, directory=directory)
+claim = Claim("send", (20, 21, 22), exclusive=False)
+time.sleep(stagger)
+print("held", flush=True)
+while True:  # back to back: a reader is always inside, one of these or another process's
+    held = deque()
+    if lock.acquire_into(held, claim, 10):
+        time.sleep(0.003)
+        release_now(held)
+"""
+
+
+def _async_writer(lock: BlockLock, timeout: float, cancel_after: float | None = None) -> bool | None:
+    """An exclusive claim of block 21 through the asyncio waiter (what `async with obs.transfer` uses):
+    whether it got the block within `timeout` (released at once); None when cancelled after `cancel_after`
+    seconds, once it was seen queued at the block's turnstile."""
+    from kvobs import async_wait
+
+    async def write() -> bool:
+        held: deque[Any] = deque()
+        try:
+            acquired = await async_wait.acquire_async(lock, held, Claim("prefetch", (21,)), timeout, None)
+        finally:
+            release_now(held)
+        return acquired
+
+    async def main() -> bool | None:
+        task = asyncio.create_task(write())
+        if cancel_after is None:
+            return await task
+        await asyncio.sleep(cancel_after)
+        assert _turnstile_taken(lock, 21), "the waiting async writer is not queued"
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return None
+
+    return asyncio.run(main())
+
+
+def _turnstile_taken(lock: BlockLock, block: int) -> bool:
+    return ofd.conflict(lock._descriptions.base, fcntl.F_WRLCK, lock.num_blocks + block, 1) is not None
+
+
+def test_async_writer_is_not_starved_by_readers_in_other_processes(tmp_path: Path) -> None:
+    """Three reader processes overlap so that block 21 is never free of readers. A waiting writer queues at
+    the turnstile and the readers drain; an async writer must queue the same way, though it waits holding
+    no block between its tries (the event loop must not block)."""
+    lock = BlockLock("kv", BLOCKS, directory=tmp_path)
+    with contextlib.ExitStack() as readers:
+        for stagger in ("0", "0.001", "0.002"):
+            readers.enter_context(process_holding(READERS, str(tmp_path), stagger))
+        time.sleep(0.1)
+        got = [_async_writer(lock, timeout=3.0) for _ in range(3)]
+    assert got == [True, True, True], "the async writer starved behind the readers"
+    assert not _turnstile_taken(lock, 21)
+    lock.close()
+
+
+def test_async_writer_leaves_no_turnstile_when_cancelled_or_timed_out(tmp_path: Path) -> None:
+    lock = BlockLock("kv", BLOCKS, directory=tmp_path)
+    with holder_process(tmp_path, (21,), exclusive=True):
+        assert _async_writer(lock, timeout=30.0, cancel_after=0.2) is None
+        assert not _turnstile_taken(lock, 21)
+        assert _async_writer(lock, timeout=0.2) is False
+        assert not _turnstile_taken(lock, 21)
+        assert lock.blocks_claimed() == {"shared": 0, "exclusive": 0}
+    assert try_claim(lock, (21,)) is not None
+    lock.close()
