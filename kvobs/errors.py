@@ -210,3 +210,18 @@ class SpanExportFailed(KVObsError):
     reason: str
 
     template = "{exporter} failed to export {spans} spans: {reason}"
+
+
+class OutOfDescriptors(KVObsError, OSError):
+    """A BlockLock claim needs a description of its own of the lock file and the process has no file
+    descriptor left; nothing was claimed."""
+
+    lock_name: str
+    in_use: int
+    limit: int
+
+    template = (
+        "{lock_name}: cannot open a description of the lock file for a claim: the process is out of file "
+        "descriptors (limit {limit}; {in_use} are this lock's open claims, one per claim until it ends): end "
+        "open transfers, or raise the limit (ulimit -n / RLIMIT_NOFILE)"
+    )

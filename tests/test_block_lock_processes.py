@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import fcntl
 import multiprocessing
 import os
 import random
 import signal
 import subprocess
+import sys
 import time
 from collections import deque
 from pathlib import Path
@@ -302,3 +304,64 @@ def test_async_writer_leaves_no_turnstile_when_cancelled_or_timed_out(tmp_path: 
         assert lock.blocks_claimed() == {"shared": 0, "exclusive": 0}
     assert try_claim(lock, (21,)) is not None
     lock.close()
+
+
+OUT_OF_DESCRIPTORS = """
+import json, os, resource, sys
+from prometheus_client import CollectorRegistry
+import kvobs
+from kvobs import semconv as sc
+from kvobs.block_lock import BlockLock
+
+directory = sys.argv[1]
+lock = BlockLock("kv", 32_768, directory=directory)
+registry = CollectorRegistry()
+obs = kvobs.KVObserver("fd", registry=registry, lock=lock, lock_timeout=1, integrity=None)
+fds = lambda: len(os.listdir("/proc/self/fd"))
+before = fds()
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (before + 40, hard))
+transfers, error = [], None
+for block in range(1000):
+    try:
+        transfers.append(obs.begin("prefetch", block_ids=[block]))
+    except Exception as exc:
+        error = exc
+        break
+opened_at_the_limit = len(lock._descriptions.opened)
+resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))  # room to look, and for a leak to show
+for transfer in transfers:
+    transfer.complete()
+with obs.transfer("prefetch", block_ids=[0]):  # the next claim finds the pool over its bound
+    pass
+whole = lock.claim((), timeout=0)
+with whole:
+    whole_free = True
+print(json.dumps({
+    "open": len(transfers), "error_type": type(error).__name__, "kvobs_error": isinstance(error, kvobs.KVObsError),
+    "message": str(error), "opened_at_the_limit": opened_at_the_limit,
+    "opened_after": len(lock._descriptions.opened), "fds_grown_by": fds() - before,
+    "claimed": lock.blocks_claimed(), "whole_free": whole_free,
+    "ok": registry.get_sample_value(sc.TRANSFERS_TOTAL, {"engine": "fd", "path": "prefetch", "outcome": "ok"}),
+}))
+"""
+
+
+def test_running_out_of_descriptors_is_a_clear_error_and_the_pool_shrinks(tmp_path: Path) -> None:
+    """Each open BlockLock transfer holds a description of the lock file until it ends. A process out of
+    file descriptors gets a kvobs error naming the lock and the limit (not a raw EMFILE), nothing leaks, and
+    once the transfers end the pool gives the descriptors back instead of keeping them forever."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
+                                                         os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([sys.executable, "-c", OUT_OF_DESCRIPTORS, str(tmp_path)], capture_output=True,
+                            text=True, env=env, timeout=60)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.splitlines()[-1])  # after whatever kvobs logged
+    assert 20 <= report["open"] < 1000, report
+    assert report["kvobs_error"], report
+    assert "out of file descriptors" in report["message"] and "kvobs-kv.blocks" in report["message"], report
+    assert report["ok"] == report["open"] + 1
+    assert report["claimed"] == {"shared": 0, "exclusive": 0} and report["whole_free"], report
+    assert report["opened_at_the_limit"] >= report["open"]
+    assert report["opened_after"] <= 16 + 1, report  # shrunk to the idle bound (+ the one just used)
+    assert report["fds_grown_by"] <= 16 + 1, report

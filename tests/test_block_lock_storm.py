@@ -30,6 +30,7 @@ import pytest
 import kvobs
 from kvobs import ofd
 from kvobs.atomic import release_now
+from kvobs.block_descriptions import MAX_IDLE
 from kvobs.block_lock import BlockLock
 from kvobs.locks import Claim
 
@@ -200,17 +201,19 @@ READER = Claim("write_back", (4, 5), exclusive=False)
         "reader-queues", "reader-queues-times-out",
     ],
 )
-@pytest.mark.parametrize("pool", ["empty", "warm"])
+@pytest.mark.parametrize("pool", ["empty", "warm", "over the idle bound"])
 def test_an_interrupt_at_any_bytecode_leaks_nothing(
     tmp_path: Path, claim: Claim, blocker: Claim | str | None, granted_after_wait: bool, pool: str
 ) -> None:
     """For n = 1, 2, ...: interrupt the claim before its n-th instruction, run the undo steps it recorded,
     check that nothing is claimed; until a claim runs to its end uninterrupted. Each n starts from the same
-    state (a freshly opened lock, its pool empty or holding one idle description)."""
+    state (a freshly opened lock, its pool empty, holding one idle description, or more than it keeps)."""
     view = BlockLock("kv", 16, directory=tmp_path)  # the blocker's and the checker's own descriptions
+    view._descriptions.grow()  # its one description, opened before the descriptors are counted
     for opcode in range(1, 100_000):
+        descriptors_before = len(os.listdir("/proc/self/fd"))
         lock = BlockLock.attach("kv", 16, directory=tmp_path)
-        if pool == "warm":
+        for _ in range({"empty": 0, "warm": 1}.get(pool, MAX_IDLE + 1)):
             lock._descriptions.grow()
         blocking: deque[Any] = deque()
         if blocker == "queued writer":
@@ -235,12 +238,13 @@ def test_an_interrupt_at_any_bytecode_leaks_nothing(
         release_now(held)
         release_now(blocking)
         assert lock.blocks_claimed() == {"shared": 0, "exclusive": 0}, f"record leaked at opcode {opcode}"
-        pool = lock._descriptions
-        assert len(pool.idle) == len(set(pool.idle)) == len(pool.opened), f"opcode {opcode}"
+        descriptions = lock._descriptions
+        assert len(descriptions.idle) == len(set(descriptions.idle)) == len(descriptions.opened), f"opcode {opcode}"
         everything: deque[Any] = deque()
         assert view.acquire_into(everything, Claim("check", ()), 0), f"a range leaked at opcode {opcode}"
         release_now(everything)
         lock.close()
+        assert len(os.listdir("/proc/self/fd")) == descriptors_before, f"a descriptor leaked at opcode {opcode}"
         if finished:
             break
     assert finished and opcode > 20
