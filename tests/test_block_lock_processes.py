@@ -365,3 +365,46 @@ def test_running_out_of_descriptors_is_a_clear_error_and_the_pool_shrinks(tmp_pa
     assert report["opened_at_the_limit"] >= report["open"]
     assert report["opened_after"] <= 16 + 1, report  # shrunk to the idle bound (+ the one just used)
     assert report["fds_grown_by"] <= 16 + 1, report
+
+
+STOPPED_OPENER = """
+import fcntl, os, signal, sys
+from kvobs import ofd
+from kvobs.block_holders import INIT_LOCK_BYTE
+fd = os.open(sys.argv[1], os.O_RDWR)
+fcntl.fcntl(fd, ofd.F_OFD_SETLK, ofd.pack(fcntl.F_WRLCK, INIT_LOCK_BYTE, 1))  # as an opener does
+print("held", flush=True)
+os.kill(os.getpid(), signal.SIGSTOP)  # stopped in the middle of checking the header
+"""
+
+
+def test_an_opener_stopped_while_initialising_is_named_when_opening_times_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process stopped (SIGSTOP) while it holds the byte that guards the header: opening the lock waits
+    the initialisation timeout, then says who holds it and that it is stopped (the kernel reports no pid
+    for OFD locks through F_OFD_GETLK)."""
+    from kvobs import block_holders
+    from kvobs.errors import LockInitTimeout
+
+    monkeypatch.setattr(block_holders, "_INIT_WAIT_S", 0.5)
+    BlockLock("kv", BLOCKS, directory=tmp_path).close()
+    path = str(tmp_path / "kvobs-kv.blocks")
+    with process_holding(STOPPED_OPENER, path) as stopped:
+        deadline = time.monotonic() + 10
+        while _state(stopped.pid) != "T" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        started = time.monotonic()
+        with pytest.raises(LockInitTimeout) as caught:
+            BlockLock.attach("kv", BLOCKS, directory=tmp_path)
+        waited = time.monotonic() - started
+        message = str(caught.value)
+        assert f"pid {stopped.pid} (stopped)" in message and path in message, message
+        assert caught.value.waited_s == 0.5
+        assert 0.5 <= waited < 5, waited  # the timeout is honoured, the holder found in far less
+    BlockLock.attach("kv", BLOCKS, directory=tmp_path).close()  # killed: the kernel dropped its byte
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rpartition(")")[2].split()[0]
