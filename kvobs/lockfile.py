@@ -117,13 +117,12 @@ def _open_base(base: str, origin: str) -> int:
     except FileNotFoundError:
         raise FileNotFoundError(
             errno.ENOENT,
-            f"the cache lock base directory does not exist (set {ENV_LOCK_DIR} to an existing directory)",
+            f"the cache lock directory does not exist{origin} (point {ENV_LOCK_DIR}, or the lock's "
+            "directory=, at an existing directory)",
             base,
         ) from None
     except NotADirectoryError:
-        raise UnsafeLockFile(
-            base, f"it is not a directory{origin}; point {ENV_LOCK_DIR} at a directory"
-        ) from None
+        raise UnsafeLockFile(base, f"it is not a directory{origin}") from None
 
 
 def _check_base(fd: int, base: str, origin: str) -> None:
