@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import weakref
-from time import monotonic
-from typing import Any
-
 from collections import deque
 from collections.abc import Callable
+from time import monotonic
+from typing import Any
 
 from kvobs.atomic import Held, release_now
 from kvobs.locks import CacheLock, Claim, OnConflict

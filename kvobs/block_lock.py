@@ -206,9 +206,10 @@ class BlockLock:
             return
         plan = self._planner.plan(claim)
         if not queued:
-            fd = self._descriptions.take(queued)
-            queued.appendleft(functools.partial(fcntl.fcntl, fd, ofd.F_OFD_SETLK, ofd.UNLOCK_ALL))
-        setlk = functools.partial(fcntl.fcntl, queued[0].args[0], ofd.F_OFD_SETLK)
+            taken = self._descriptions.take(queued)
+            queued.appendleft(functools.partial(fcntl.fcntl, taken, ofd.F_OFD_SETLK, ofd.UNLOCK_ALL))
+        fd: int = queued[0].args[0]  # type: ignore[attr-defined]  # the newest step: unlock everything on fd
+        setlk = functools.partial(fcntl.fcntl, fd, ofd.F_OFD_SETLK)
         code = self._holders.code(claim.holder)
         for start, length in zip(plan.starts, plan.lengths):
             gate = self.num_blocks + start
