@@ -179,6 +179,20 @@ class MultiprocessDirError(KVObsError, ValueError):
     )
 
 
+class InvalidOption(KVObsError, ValueError):
+    """An observer option, given as an argument or a KVOBS_* variable, that kvobs does not understand.
+
+    `name` is what the user wrote: the argument's name, or the variable's when the value came from the
+    environment, so the message points at the line to fix.
+    """
+
+    name: str
+    value: object
+    expected: str
+
+    template = "{name}={value!r} is not understood: {expected}"
+
+
 class UnsafeLockFile(KVObsError, PermissionError):
     """A lock file or lock directory kvobs refuses to use; `reason` says why, `path` says which."""
 
