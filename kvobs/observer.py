@@ -52,7 +52,8 @@ class KVObserver:
         registry, the global OpenTelemetry provider once an application sets one, structlog's logger).
     enabled: False (or env KVOBS_ENABLED=0) keeps validation, the lock, integrity checks and hooks, and
         registers and records no metrics, spans or logs.
-    capacity: number of GPU blocks (pages), so ids past it are rejected before locking.
+    capacity: number of GPU blocks (pages), so ids past it are rejected before locking (default: a BlockLock's
+        num_blocks; never larger).
     block_bytes: bytes per KV block, for kvobs_transfer_bytes_total when a call does not say.
     block_dim: the block dimension of the cache tensors handed to integrity checks.
     page_size: ids are token slots and a block (page) holds this many (SGLang); None: ids are block ids.
@@ -102,7 +103,7 @@ class KVObserver:
         self.lock_timeout = config.seconds("lock_timeout", lock_timeout, sc.ENV_LOCK_TIMEOUT,
                                            config.DEFAULT_LOCK_TIMEOUT_S)
         self.deadline = config.seconds("deadline", deadline, sc.ENV_TRANSFER_DEADLINE, config.DEFAULT_DEADLINE_S)
-        self.capacity = config.optional_positive_int("capacity", capacity)
+        self.capacity = _capacity(config.optional_positive_int("capacity", capacity), self.lock)
         self.block_bytes = config.optional_positive_int("block_bytes", block_bytes)
         self.page_size = config.optional_positive_int("page_size", page_size)
         self.block_dim = config.block_dim(block_dim)
@@ -319,6 +320,17 @@ class KVObserver:
             return {p: config.policy(integrity[p]) if p in integrity else default for p in self.paths}
         policy = config.policy(integrity)
         return {p: policy for p in self.paths}
+
+
+def _capacity(capacity: int | None, lock: CacheLock | None) -> int | None:
+    """The cache's size in blocks: a lock that locks per block knows it, so an id past it is rejected like
+    any bad input before the lock is touched, rather than failing inside the lock."""
+    lock_blocks = getattr(lock, "num_blocks", None)
+    if lock_blocks is None:
+        return capacity
+    if capacity is not None and capacity > lock_blocks:
+        raise ValueError(f"capacity={capacity} is larger than the {lock_blocks} blocks of {lock!r}")
+    return lock_blocks if capacity is None else capacity
 
 
 def _held_for(lock: CacheLock) -> float:
