@@ -1,0 +1,123 @@
+"""kvobs inside a running vLLM (in-process engine): vLLM's OffloadingConnector wrapped by KVObsConnector, on
+the tiny random-weight Llama, greedy. One plain engine gives the reference tokens; one wrapped engine (with
+tracing to an OTLP receiver on loopback) serves every test of the module, each with prompts of its own.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from running_vllm import harness
+from running_vllm.harness import prompt, samples
+from support import otlp_receiver
+
+PROMPTS = {name: prompt(seed) for seed, name in enumerate(("reuse", "corrupt", "after"), start=1)}
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, list[int]]:
+    """Tokens of a plain engine (no connector) for every prompt of the module."""
+    with harness.engine(None) as plain:
+        outputs = plain.generate(list(PROMPTS.values()))
+    return {name: out["token_ids"] for name, out in zip(PROMPTS, outputs)}
+
+
+@pytest.fixture(scope="module")
+def receiver() -> Any:
+    with otlp_receiver() as (receiver, port):
+        yield receiver, port
+
+
+@pytest.fixture(scope="module")
+def wrapped(receiver: Any) -> Any:
+    _, port = receiver
+    otel = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}", "OTEL_SERVICE_NAME": "vllm-engine-test",
+            "OTEL_BSP_SCHEDULE_DELAY": "100"}
+    with harness.engine(harness.offloading(tracing=True), **otel) as running:
+        yield running
+
+
+def reuse(engine: harness.Engine, text: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Serve `text` (its blocks are stored), empty vLLM's own prefix cache, serve it again: the prefix must
+    now come back through the connector."""
+    (first,) = engine.generate([text])
+    engine.call("reset_prefix_cache")
+    (second,) = engine.generate([text])
+    return first, second
+
+
+def scrape(engine: harness.Engine) -> str:
+    return engine.call("scrape")["text"]
+
+
+def spans(receiver: Any, name: str, timeout: float = 20.0) -> list[Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        found = [span for _, span in receiver.spans if span.name == name]
+        if found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.2)
+
+
+def attributes(span: Any) -> dict[str, Any]:
+    values = {}
+    for attribute in span.attributes:
+        value = attribute.value
+        kind = value.WhichOneof("value")
+        values[attribute.key] = ([v.int_value for v in value.array_value.values] if kind == "array_value"
+                                 else getattr(value, kind))
+    return values
+
+
+def test_wrapped_engine_serves_the_plain_engine_tokens_and_loads_through_kvobs(wrapped, reference):
+    first, second = reuse(wrapped, PROMPTS["reuse"])
+    assert first["token_ids"] == reference["reuse"]
+    assert second["token_ids"] == reference["reuse"]
+    assert second["num_cached_tokens"] > 0, "the second request did not load its prefix through the connector"
+    text = scrape(wrapped)
+    assert samples(text, "kvobs_transfers_total", path="prefetch", outcome="ok") >= 1
+    assert samples(text, "kvobs_transfers_total", path="write_back", outcome="ok") >= 1
+    assert samples(text, "kvobs_nan_checks_total", path="prefetch", result="clean") >= 1
+    assert samples(text, "kvobs_lock_wait_seconds_count", path="prefetch") >= 1
+
+
+def test_spans_reach_an_otlp_receiver(wrapped, receiver):
+    received, _ = receiver
+    reuse(wrapped, PROMPTS["reuse"])
+    loads = spans(received, "kvobs.prefetch")
+    assert loads, "no kvobs.prefetch span arrived over OTLP"
+    services = {service.get("service.name") for service, span in received.spans if span.name == "kvobs.prefetch"}
+    assert services == {"vllm-engine-test"}
+    assert all(attributes(span)["kvobs.bytes"] > 0 for span in loads), "kvobs.bytes is 0 on a load that moved blocks"
+
+
+def test_a_corrupt_load_is_recomputed_to_the_clean_tokens(wrapped, reference, receiver):
+    received, _ = receiver
+    (stored,) = wrapped.generate([PROMPTS["corrupt"]])
+    assert stored["token_ids"] == reference["corrupt"]
+    wrapped.call("reset_prefix_cache")
+    assert wrapped.call("poison")["poisoned"] == 1
+    before = scrape(wrapped)
+
+    (healed,) = wrapped.generate([PROMPTS["corrupt"]], timeout=60)  # a livelock never answers
+
+    assert healed["finish_reason"] == "length"
+    assert healed["token_ids"] == reference["corrupt"]
+    after = scrape(wrapped)
+    nan = samples(after, "kvobs_nan_checks_total", path="prefetch", result="nan") - samples(
+        before, "kvobs_nan_checks_total", path="prefetch", result="nan")
+    assert nan >= 1
+    assert any("kvobs.integrity.bad_blocks" in line for line in wrapped.log)
+    rejected = [span for span in spans(received, "kvobs.prefetch") if span.status.code == 2]
+    assert rejected, "no kvobs.prefetch span with ERROR status for the corrupt load"
+    assert attributes(rejected[-1]).get("kvobs.integrity.bad_block_ids"), "the bad block ids are not on the span"
+
+    # the corrupt copy is never loaded again: later requests are recomputed from the first bad block
+    wrapped.call("reset_prefix_cache")
+    (again,) = wrapped.generate([PROMPTS["corrupt"]], timeout=60)
+    assert again["token_ids"] == reference["corrupt"]
+    again_nan = samples(scrape(wrapped), "kvobs_nan_checks_total", path="prefetch", result="nan")
+    assert again_nan == samples(after, "kvobs_nan_checks_total", path="prefetch", result="nan")
