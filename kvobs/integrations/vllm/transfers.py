@@ -81,6 +81,7 @@ class Transfers:
         self._check = policy_for(mode)
         self._sampler = IntegrityPolicy(every=every).sampler()
         self.cache: Any = None
+        self.block_bytes: int | None = None  # bytes a block holds across the checked caches, when known
         self._pending: CorruptKVError | None = None
 
     def begin(self, path: str, key: Any, *, request_id: Any, block_ids: list[int], group_sizes: Any = None,
@@ -89,8 +90,9 @@ class Transfers:
         `report` found (the transfer has then ended as failed), else (); `raise` raises them."""
         try:
             check = self._check if self._check is not False and self._sampler.should_check() else False
+            nbytes = None if self.block_bytes is None else len(block_ids) * self.block_bytes
             self.obs.begin(path, check=check, key=key, request_id=request_id, block_ids=block_ids,
-                           group_sizes=group_sizes, cache=self.cache, trace_context=trace_context)
+                           group_sizes=group_sizes, cache=self.cache, nbytes=nbytes, trace_context=trace_context)
         except CorruptKVError as exc:
             if self.mode == "raise":
                 raise

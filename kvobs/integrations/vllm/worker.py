@@ -41,6 +41,8 @@ class WorkerSide:
     def registered(self, wrapped: Any, kv_caches: Mapping[str, Any]) -> None:
         """After the wrapped `register_kv_caches`: the caches to check, and the offloading workers it made."""
         self.transfers.cache, left_out = checkable_caches(kv_caches, self.num_blocks)
+        if self.transfers.cache is not None and self.num_groups == 1 and not left_out:
+            self.transfers.block_bytes = sum(view[0].nbytes for view in self.transfers.cache)
         if left_out:
             self.transfers.obs.logger.warning("kvobs.vllm: KV caches left out of the NaN/Inf checks",
                                               layers=left_out[:8], count=len(left_out))
