@@ -14,7 +14,7 @@ from running_vllm import harness
 from running_vllm.harness import prompt, samples
 from support import otlp_receiver
 
-PROMPTS = {name: prompt(seed) for seed, name in enumerate(("reuse", "corrupt", "after"), start=1)}
+PROMPTS = {name: prompt(seed) for seed, name in enumerate(("reuse", "corrupt", "disk"), start=1)}
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +38,14 @@ def wrapped(receiver: Any) -> Any:
             "OTEL_BSP_SCHEDULE_DELAY": "100"}
     with harness.engine(harness.offloading(tracing=True), **otel) as running:
         yield running
+
+
+@pytest.fixture(scope="module")
+def disk(tmp_path_factory: Any) -> Any:
+    """vLLM's example shared-storage connector (loads in start_load_kv, writes during the pass), wrapped."""
+    path = tmp_path_factory.mktemp("kv-files")
+    with harness.engine(harness.shared_storage(path)) as running:
+        yield running, path
 
 
 def reuse(engine: harness.Engine, text: str) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -125,3 +133,21 @@ def test_a_corrupt_load_is_recomputed_to_the_clean_tokens(wrapped, reference, re
     assert again["token_ids"] == reference["corrupt"]
     again_nan = samples(scrape(wrapped), "kvobs_nan_checks_total", path="prefetch", result="nan")
     assert again_nan == samples(after, "kvobs_nan_checks_total", path="prefetch", result="nan")
+
+
+def test_shared_storage_loads_and_stores_are_observed_and_a_corrupt_file_is_recomputed(disk, reference):
+    engine, path = disk
+    first, second = reuse(engine, PROMPTS["disk"])
+    assert first["token_ids"] == reference["disk"]
+    assert second["token_ids"] == reference["disk"]
+    assert second["num_cached_tokens"] > 0
+    text = scrape(engine)
+    assert samples(text, "kvobs_transfers_total", path="write_back", outcome="ok") >= 1
+    assert samples(text, "kvobs_transfers_total", path="prefetch", outcome="ok") >= 1
+    assert samples(text, "kvobs_nan_checks_total", path="prefetch", result="clean") >= 1
+
+    assert engine.call("poison_files", path=str(path))["poisoned"] >= 1
+    engine.call("reset_prefix_cache")
+    (healed,) = engine.generate([PROMPTS["disk"]], timeout=60)
+    assert healed["token_ids"] == reference["disk"]
+    assert samples(scrape(engine), "kvobs_nan_checks_total", path="prefetch", result="nan") >= 1

@@ -5,7 +5,8 @@
 CONFIG_JSON: {"model": DIR, "connector": {...} or null (the kv_transfer_config), "kvobs_observer": bool}.
 Commands arrive as JSON lines on stdin, one answer per command leaves as a JSON line on stdout prefixed by
 `ANSWER_PREFIX` (vLLM logs to stdout too). Commands: generate (prompts, max_tokens), reset_prefix_cache,
-poison (NaN over the CPU store, in-process engines only), scrape (this process's Prometheus registry),
+poison (NaN over the CPU store, in-process engines only), poison_files (NaN over a shared-storage
+connector's files), scrape (this process's Prometheus registry),
 quit. An error answers {"error": ...} and the driver goes on.
 """
 
@@ -50,6 +51,25 @@ def poison() -> dict[str, Any]:
     return {"poisoned": poison_all()}
 
 
+def poison_files(path: str) -> dict[str, Any]:
+    """NaN over every KV file a shared-storage connector wrote under `path`."""
+    import pathlib
+
+    import safetensors.torch
+
+    files = sorted(pathlib.Path(path).rglob("*.safetensors"))
+    for file in files:
+        kv_cache = safetensors.torch.load_file(file)["kv_cache"]
+        safetensors.torch.save_file({"kv_cache": torch_full_nan(kv_cache)}, file)
+    return {"poisoned": len(files)}
+
+
+def torch_full_nan(tensor: Any) -> Any:
+    import torch
+
+    return torch.full_like(tensor, float("nan"))
+
+
 def scrape() -> dict[str, Any]:
     from prometheus_client import REGISTRY, generate_latest
 
@@ -64,6 +84,8 @@ def answer(llm: Any, command: dict[str, Any]) -> dict[str, Any]:
         return {"reset": bool(llm.reset_prefix_cache())}
     if op == "poison":
         return poison()
+    if op == "poison_files":
+        return poison_files(command["path"])
     if op == "scrape":
         return scrape()
     raise ValueError(f"unknown op {op!r}")

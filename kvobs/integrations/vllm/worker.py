@@ -18,6 +18,7 @@ from typing import Any
 from kvobs.integrations.vllm.caches import checkable_caches
 from kvobs.integrations.vllm.offloading import LoadFailure, OffloadingWatch
 from kvobs.integrations.vllm.receive import ReceiveWatch
+from kvobs.integrations.vllm.sync import SyncWatch
 from kvobs.integrations.vllm.transfers import Transfers
 from kvobs.integrations.vllm.tree import leaves
 
@@ -25,8 +26,8 @@ from kvobs.integrations.vllm.tree import leaves
 class WorkerSide:
     """Observation for one worker-side KVObsConnector."""
 
-    def __init__(self, transfers: Transfers, *, num_blocks: int, num_groups: int, offloading_worker: type,
-                 transfer_result: type) -> None:
+    def __init__(self, transfers: Transfers, *, num_blocks: int, num_groups: int, block_size: int,
+                 offloading_worker: type, transfer_result: type) -> None:
         self.transfers = transfers
         self.num_blocks = num_blocks
         self.num_groups = num_groups
@@ -34,6 +35,8 @@ class WorkerSide:
         self._transfer_result = transfer_result
         self.watches: list[tuple[Any, OffloadingWatch]] = []
         self.receives = ReceiveWatch(transfers)
+        self.sync = SyncWatch(transfers, block_size)
+        self._sync_failures: list[LoadFailure] = []
         self._bound: list[tuple[Any, Any]] = []
         self._trace_contexts: Mapping[str, Any] = {}
         self._load_errors: set[int] = set()
@@ -71,13 +74,21 @@ class WorkerSide:
         self._note_stores(leaves(wrapped, metadata))
 
     def loading(self) -> None:
-        """Before the wrapped `start_load_kv`: the receives this step hands over begin."""
+        """Before the wrapped `start_load_kv`: the receives this step hands over begin, and the loads of
+        connectors that copy in `start_load_kv` itself."""
         for _, part in self._bound:
             self.receives.start(part, self._trace_contexts)
+        self.sync.loading(part for _, part in self._bound)
 
     def saving(self) -> None:
-        """Before the wrapped `wait_for_save`, which queues this step's stores for the next step."""
+        """Before the wrapped `wait_for_save`, which queues this step's stores for the next step (offloading)
+        or ends the ones written during the pass (synchronous connectors, whose loads end here too)."""
         self._note_stores(self._bound)
+        self._sync_failures.extend(self.sync.saving(part for _, part in self._bound))
+
+    def saved(self) -> None:
+        """After the wrapped `wait_for_save`."""
+        self.sync.saved()
 
     def results(self, results: Any) -> Any:
         """After the wrapped `get_transfer_results`: end what it reports; corrupt loads told to vLLM."""
@@ -125,6 +136,8 @@ class WorkerSide:
 
     def _finished(self, finished: Any, failed: Any) -> list[LoadFailure]:
         failures = self.receives.finish(finished, failed)
+        failures.extend(self._sync_failures)
+        self._sync_failures = []
         for _, watch in self.watches:
             failures.extend(watch.take_failures())
         return failures

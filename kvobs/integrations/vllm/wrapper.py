@@ -47,7 +47,8 @@ class WrapperMethods:
         if role == base.KVConnectorRole.WORKER:
             self._kvobs_worker = WorkerSide(
                 transfers, num_blocks=kv_cache_config.num_blocks, num_groups=len(kv_cache_config.kv_cache_groups),
-                offloading_worker=OffloadingWorker, transfer_result=TransferResult)
+                block_size=vllm_config.cache_config.block_size, offloading_worker=OffloadingWorker,
+                transfer_result=TransferResult)
         else:
             load_failure_policy(vllm_config.kv_transfer_config, options.integrity, options.recompute, obs.logger)
             self._kvobs_scheduler = SchedulerSide(transfers, block_size=_block_size(kv_cache_config))
@@ -108,7 +109,10 @@ class WrapperMethods:
     def wait_for_save(self) -> Any:
         if self._kvobs_worker is not None:
             self._kvobs_safely(None, self._kvobs_worker.saving)
-        return self._kvobs_wrapped.wait_for_save()
+        result = self._kvobs_wrapped.wait_for_save()
+        if self._kvobs_worker is not None:
+            self._kvobs_safely(None, self._kvobs_worker.saved)
+        return result
 
     def get_finished(self, finished_req_ids: set[str]) -> Any:
         finished = self._kvobs_wrapped.get_finished(finished_req_ids)
