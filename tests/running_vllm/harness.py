@@ -9,7 +9,6 @@ Without .venv-vllm the engine tests are skipped with the reason, except in CI (C
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import pathlib
@@ -26,6 +25,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+
+from running_vllm import tiny_llama
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 HERE = pathlib.Path(__file__).resolve().parent
@@ -71,9 +72,8 @@ def tiny_model() -> pathlib.Path:
     """The tiny Llama's directory, built on first use (into a private folder, then moved into place)."""
     python = vllm_python()
     script = HERE / "tiny_llama.py"
-    digest = hashlib.sha256(script.read_bytes()).hexdigest()[:16]
-    root = pathlib.Path(os.environ.get("KVOBS_MODEL_CACHE", "~/.cache/kvobs/tiny-llama")).expanduser()
-    target = root / digest
+    target = tiny_llama.cached_dir()
+    root = target.parent
     if (target / "config.json").is_file():
         return target
     root.mkdir(parents=True, exist_ok=True)

@@ -8,6 +8,8 @@ random weights still gives the same tokens on every run, which is all the engine
 
 from __future__ import annotations
 
+import hashlib
+import os
 import pathlib
 import sys
 
@@ -19,6 +21,13 @@ WORDS = (
     "red green blue yellow black white orange purple brown grey pink gold silver copper iron tin "
 ).split()
 VOCAB_SIZE = 256
+
+
+def cached_dir() -> pathlib.Path:
+    """Where the model lives once built: ~/.cache/kvobs/tiny-llama (or KVOBS_MODEL_CACHE) / a hash of this
+    script, so a changed recipe builds a new model."""
+    root = pathlib.Path(os.environ.get("KVOBS_MODEL_CACHE", "~/.cache/kvobs/tiny-llama")).expanduser()
+    return root / hashlib.sha256(pathlib.Path(__file__).read_bytes()).hexdigest()[:16]
 
 
 def corpus() -> list[str]:
