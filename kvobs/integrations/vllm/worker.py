@@ -26,11 +26,12 @@ from kvobs.integrations.vllm.tree import leaves
 class WorkerSide:
     """Observation for one worker-side KVObsConnector."""
 
-    def __init__(self, transfers: Transfers, *, num_blocks: int, num_groups: int, block_size: int,
+    def __init__(self, transfers: Transfers, *, num_blocks: int, group_layers: list[list[str]], block_size: int,
                  offloading_worker: type, transfer_result: type) -> None:
         self.transfers = transfers
         self.num_blocks = num_blocks
-        self.num_groups = num_groups
+        self.group_layers = group_layers
+        self.num_groups = len(group_layers)
         self._offloading_worker = offloading_worker
         self._transfer_result = transfer_result
         self.watches: list[tuple[Any, OffloadingWatch]] = []
@@ -46,6 +47,8 @@ class WorkerSide:
         self.transfers.cache, left_out = checkable_caches(kv_caches, self.num_blocks)
         if self.transfers.cache is not None and self.num_groups == 1 and not left_out:
             self.transfers.block_bytes = sum(view[0].nbytes for view in self.transfers.cache)
+        if self.num_groups > 1:
+            self._register_groups(kv_caches)
         if left_out:
             self.transfers.obs.logger.warning("kvobs.vllm: KV caches left out of the NaN/Inf checks",
                                               layers=left_out[:8], count=len(left_out))
@@ -53,6 +56,17 @@ class WorkerSide:
             worker = getattr(getattr(leaf, "connector_worker", None), "worker", None)
             if isinstance(worker, self._offloading_worker) and self._watch(leaf) is None:
                 self.watches.append((leaf, OffloadingWatch(worker, self.transfers, self._transfer_result)))
+
+    def _register_groups(self, kv_caches: Mapping[str, Any]) -> None:
+        """Each KV group's own caches, so a block id is checked where that group keeps it."""
+        group_caches = []
+        group_bytes: list[int | None] = []
+        for layers in self.group_layers:
+            views, left_out = checkable_caches({n: kv_caches[n] for n in layers if n in kv_caches}, self.num_blocks)
+            group_caches.append(views)
+            group_bytes.append(None if views is None or left_out else sum(view[0].nbytes for view in views))
+        self.transfers.group_caches = group_caches
+        self.transfers.group_block_bytes = group_bytes
 
     def bound(self, wrapped: Any, metadata: Any, trace_contexts: Mapping[str, Any]) -> None:
         """After the wrapped `bind_connector_metadata`: each connector's part of the step's metadata."""

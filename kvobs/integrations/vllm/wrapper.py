@@ -46,7 +46,8 @@ class WrapperMethods:
         self._kvobs_scheduler: SchedulerSide | None = None
         if role == base.KVConnectorRole.WORKER:
             self._kvobs_worker = WorkerSide(
-                transfers, num_blocks=kv_cache_config.num_blocks, num_groups=len(kv_cache_config.kv_cache_groups),
+                transfers, num_blocks=kv_cache_config.num_blocks,
+                group_layers=[list(group.layer_names) for group in kv_cache_config.kv_cache_groups],
                 block_size=vllm_config.cache_config.block_size, offloading_worker=OffloadingWorker,
                 transfer_result=TransferResult)
         else:
