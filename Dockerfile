@@ -6,14 +6,14 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
-# CPU-only torch first, so `pip install .` does not pull a multi-GB CUDA build.
+# CPU-only torch first (the demo needs kvobs's torch extra), so that the extra does not pull a multi-GB CUDA build.
 RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu \
     && pip install numpy
 
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY kvobs ./kvobs
-RUN pip install . && rm -rf /src
+RUN pip install ".[torch]" && rm -rf /src
 
 RUN useradd --system --uid 10001 --no-create-home kvobs
 USER kvobs

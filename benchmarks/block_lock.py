@@ -15,11 +15,18 @@ then `release_now`). Beside them, for comparison:
 
 Target: a forward step claiming 256 blocks in <= 64 runs costs under 10% of a 1 ms step (100 us).
 
+Scaling (`--scattered`): one uncontended claim + release of N blocks with a gap after each (N runs, the worst
+fragmentation), for each N given, with a 5 s timeout. Its cost must grow linearly with N (ratio ~2 per
+doubling) and stay within the timeout; the table prints each N's time as a ratio to the smallest N's, and
+the same runs issued one request each on a bare descriptor (what one kernel call per run costs, in the same
+run: the kernel scans every lock of the file on each call, so this baseline is quadratic; only up to
+`--per-run-up-to` blocks, since 40,000 take minutes).
+
 Why per-round ratios: the machine is shared and noisy. Every round times the flock pair and then each case
 back to back and takes the ratio within the round; the table shows medians over the rounds, and the
 absolute times their median and best round (the best round is the closest to an idle machine).
 
-    .venv/bin/python benchmarks/block_lock.py [--rounds 30] [--claims 300]
+    .venv/bin/python benchmarks/block_lock.py [--rounds 30] [--claims 300] [--scattered 10000 20000 40000]
 """
 
 from __future__ import annotations
@@ -84,7 +91,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--claims", type=int, default=300, help="claims per case per round")
+    parser.add_argument("--scattered", type=int, nargs="*", default=[], metavar="N",
+                        help="only time one claim of N scattered blocks, for each N (e.g. 10000 20000 40000)")
+    parser.add_argument("--per-run-up-to", type=int, default=20000, metavar="N",
+                        help="with --scattered: time the one-call-per-run baseline up to N blocks")
     args = parser.parse_args()
+    if args.scattered:
+        scattered(sorted(args.scattered), args.per_run_up_to)
+        return
 
     directory = tempfile.mkdtemp(prefix="kvobs-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     lock = BlockLock("bench", NUM_BLOCKS, directory=directory)
@@ -189,6 +203,39 @@ def main() -> None:
     lock.close()
     os.close(bare)
     os.close(floor_fd)
+
+
+def scattered(sizes: list[int], per_run_up_to: int) -> None:
+    """One claim of N blocks in N runs (every other block), for each N: the claim's time, its ratio to the
+    smallest N's, and the bare one-request-per-run baseline's."""
+    timeout_s = 5.0
+    directory = tempfile.mkdtemp(prefix="kvobs-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    lock = BlockLock("scattered", 2 * sizes[-1], directory=directory)
+    bare = os.open(lock.path, os.O_RDWR)
+    print(f"{'N blocks (N runs)':>18} {'claim s':>9} {'x smallest':>10} {'timeout':>8} "
+          f"{'1 call/run s':>13} {'x smallest':>10}")
+    first_claim = first_bare = 0.0
+    for n in sizes:
+        claim = Claim("forward", tuple(range(0, 2 * n, 2)))
+        held: deque[Any] = deque()
+        t0 = time.perf_counter()
+        acquired = lock.acquire_into(held, claim, timeout_s)
+        release_now(held)
+        claim_s = time.perf_counter() - t0
+        first_claim = first_claim or claim_s
+        verdict = "kept" if acquired and claim_s <= timeout_s else "MISSED"
+        row = f"{n:>18,} {claim_s:>9.3f} {claim_s / first_claim:>10.1f} {verdict:>8}"
+        if n <= per_run_up_to:
+            requests = [ofd.pack(fcntl.F_WRLCK, block, 1) for block in claim.blocks]
+            t0 = time.perf_counter()
+            deque(map(functools.partial(fcntl.fcntl, bare, ofd.F_OFD_SETLK), requests), 0)
+            fcntl.fcntl(bare, ofd.F_OFD_SETLK, ofd.UNLOCK_ALL)
+            bare_s = time.perf_counter() - t0
+            first_bare = first_bare or bare_s
+            row += f" {bare_s:>13.3f} {bare_s / first_bare:>10.1f}"
+        print(row)
+    os.close(bare)
+    lock.close()
 
 
 if __name__ == "__main__":

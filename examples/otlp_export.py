@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-import torch
+import numpy as np
 from prometheus_client import CollectorRegistry
 
 import kvobs
@@ -27,18 +27,19 @@ def main() -> None:
         os.environ.get("OTEL_SERVICE_NAME", "kvobs-otlp-example"), endpoint=ENDPOINT, timeout=2, set_global=False
     )
     obs = kvobs.KVObserver("otlp-example", tracer_provider=provider, registry=CollectorRegistry(), capacity=32)
-    gpu_cache = torch.randn(32, 16, 4, 32, dtype=torch.float16)
-    storage: dict[str, torch.Tensor] = {}
+    # The engine's KV cache (a NumPy array here; a torch or Paddle tensor is checked the same way).
+    gpu_cache = np.random.default_rng(0).standard_normal((32, 16, 4, 32)).astype(np.float16)
+    storage: dict[str, np.ndarray] = {}
 
     @obs.write_back(keys="keys", block_ids="block_ids", cache=gpu_cache, request_id="request_id")
     def write_back(request_id: str, keys: list[str], block_ids: list[int]) -> None:
         for key, block in zip(keys, block_ids):
-            storage[key] = gpu_cache[block].clone()
+            storage[key] = gpu_cache[block].copy()
 
     @obs.prefetch(keys="keys", block_ids="block_ids", cache=gpu_cache, request_id="request_id")
     def prefetch(request_id: str, keys: list[str], block_ids: list[int]) -> None:
         for key, block in zip(keys, block_ids):
-            gpu_cache[block].copy_(storage[key])
+            gpu_cache[block] = storage[key]
 
     write_back("req-1", ["k0", "k1"], [0, 1])
     prefetch("req-2", ["k0", "k1"], [4, 5])

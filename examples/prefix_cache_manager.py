@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
+import numpy as np
 from prometheus_client import CollectorRegistry, generate_latest
 
 import kvobs
@@ -46,25 +46,27 @@ class StorageTask:
 
 class PrefixCacheManager:
     def __init__(self) -> None:
-        self.gpu_cache = torch.zeros((NUM_BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM), dtype=torch.float16)
-        self.storage: dict[str, torch.Tensor] = {}
+        # The engine's GPU cache; a NumPy array here, checked the same way as a torch or Paddle tensor.
+        self.gpu_cache = np.zeros((NUM_BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM), dtype=np.float16)
+        self.storage: dict[str, np.ndarray] = {}
 
     @obs.prefetch(keys="task.keys", block_ids="task.gpu_block_ids", sync="is_sync", cache="self.gpu_cache")
     def issue_prefetch_storage_task(self, task: StorageTask, is_sync: bool = True) -> int:
         for key, block in zip(task.keys, task.gpu_block_ids):
-            self.gpu_cache[block].copy_(self.storage[key])
+            self.gpu_cache[block] = self.storage[key]
         return len(task.keys)
 
     @obs.write_back(keys="task.keys", block_ids="task.gpu_block_ids", sync="is_sync", cache="self.gpu_cache")
     def issue_write_back_storage_task(self, task: StorageTask, is_sync: bool = True) -> int:
         for key, block in zip(task.keys, task.gpu_block_ids):
-            self.storage[key] = self.gpu_cache[block].clone()
+            self.storage[key] = self.gpu_cache[block].copy()
         return len(task.keys)
 
 
 def main() -> None:
+    rng = np.random.default_rng(0)
     manager = PrefixCacheManager()
-    manager.gpu_cache[0:4].normal_()
+    manager.gpu_cache[0:4] = rng.standard_normal(manager.gpu_cache[0:4].shape)
 
     # A clean write-back, then a prefix hit that prefetches the same keys into other blocks.
     wrote = manager.issue_write_back_storage_task(StorageTask("req-1", ["k0", "k1", "k2", "k3"], [0, 1, 2, 3]))
@@ -77,7 +79,7 @@ def main() -> None:
     print(f"write-back of a NaN block returned {result!r}; 'k5' stored: {'k5' in manager.storage}")
 
     # A poisoned storage entry is caught on prefetch: the engine treats it as a miss and recomputes.
-    manager.storage["k1"] = torch.full_like(manager.storage["k1"], float("nan"))
+    manager.storage["k1"] = np.full_like(manager.storage["k1"], np.nan)
     try:
         manager.issue_prefetch_storage_task(StorageTask("req-4", ["k0", "k1"], [12, 13]))
     except CorruptKVError as exc:
@@ -91,7 +93,7 @@ def main() -> None:
 
     # The GPU worker's forward pass takes the same lock around execute_model (LockTimeout after 5 s).
     with obs.lock:
-        manager.gpu_cache[6].normal_()
+        manager.gpu_cache[6] = rng.standard_normal(manager.gpu_cache[6].shape)
 
     wanted = ("kvobs_transfers_total{", "kvobs_nan_checks_total{")
     for line in generate_latest(registry).decode().splitlines():

@@ -6,21 +6,17 @@ cache):
     obs = kvobs.KVObserver("sglang", lock=None, page_size=64)   # SGLang's --page-size
     kvobs_sglang.instrument_hicache(obs)                        # HiCacheController, HybridCacheController
 
-This script shows it on SGLang's real HiCacheController, on CPU: an installed SGLang if there is one, else the
-SGLang 0.5.23 wheel cached by kvobs's tests (tests/upstream.py). On CPU SGLang has no host<->device copy kernel
-(it comes from the CUDA-only sgl_kernel), so this script supplies one written with torch indexing.
+This script shows it on SGLang's real HiCacheController, on CPU; it needs SGLang 0.5.23 installed beside kvobs
+(without it, it says so and exits). On CPU SGLang has no host<->device copy kernel (it comes from the CUDA-only
+sgl_kernel), so this script supplies one written with torch indexing.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import sys
 import threading
-from collections.abc import Iterator
-from pathlib import Path
 
-import torch
 from prometheus_client import CollectorRegistry, generate_latest
 
 import kvobs
@@ -29,28 +25,13 @@ from kvobs.integrations import sglang as kvobs_sglang
 PAGE = 4
 
 
-@contextlib.contextmanager
-def sglang_modules() -> Iterator[object]:
-    """SGLang's modules: installed, or loaded from the tests' cached wheel."""
+def sglang_or_exit() -> None:
+    """Exit 0 saying what is missing when SGLang (which brings torch) is not installed."""
     try:
         import sglang.srt.managers.cache_controller  # noqa: F401
-
-        yield sys.modules["sglang"]
-        return
-    except ImportError:
-        pass
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    import upstream
-
-    try:
-        engine = upstream.load("sglang", upstream.SGLANG_VERSION, packages=("sglang",),
-                               modules=upstream.SGLANG_MODULES + ("sglang.srt.mem_cache.allocator.paged",),
-                               stubs=upstream.SGLANG_STUBS, requirements=upstream.SGLANG_REQUIREMENTS, bare=("sglang",),
-                               data_prefixes=("sglang/kernels/jit/include/", "sglang/kernels/jit/csrc/"))
-    except upstream.UpstreamUnavailable as exc:
-        raise SystemExit(f"SGLang is not installed and its wheel cannot be had, nothing to show: {exc}") from None
-    with engine.active():
-        yield engine
+    except ImportError as exc:
+        print(f"skipped: needs SGLang 0.5.23 installed beside kvobs (pip install sglang==0.5.23): {exc}")
+        sys.exit(0)
 
 
 def cpu_copy(src_layers, dst_layers, src_indices, dst_indices, page_size):
@@ -59,6 +40,7 @@ def cpu_copy(src_layers, dst_layers, src_indices, dst_indices, page_size):
 
 
 def controller_on_cpu():
+    import torch
     from sglang.srt.managers.cache_controller import HiCacheController
     from sglang.srt.mem_cache import memory_pool
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
@@ -80,24 +62,24 @@ def take_acks(acks: list) -> None:
 
 
 def main() -> None:
+    sglang_or_exit()
     registry = CollectorRegistry()
     obs = kvobs.KVObserver("sglang-example", lock=None, page_size=PAGE, registry=registry)
-    with sglang_modules():
-        controller, pool, allocator = controller_on_cpu()
-        undo = kvobs_sglang.instrument_hicache(obs, controller)  # or the classes: instrument_hicache(obs)
-        slots = allocator.alloc(2 * PAGE)
-        for layer in [*pool.k_buffer, *pool.v_buffer]:
-            layer[slots] = 0.5
-        host = controller.write(slots, node_id=1)  # copied to host now; its transfer ends at the ack
-        take_acks(controller.ack_write_queue)
-        destination = controller.load(host, node_id=2)  # queued; the copy runs in start_loading()
-        print(f"load-back queued into slots {destination.tolist()}, open prefetches: {obs.open.count('prefetch')}")
-        controller.start_loading()
-        take_acks(controller.ack_load_queue)
-        for layer in [*pool.k_buffer, *pool.v_buffer]:
-            layer[slots[:1]] = math.nan
-        print(f"write-back of a NaN page returned {controller.write(slots, node_id=3)}")  # not copied
-        undo()
+    controller, pool, allocator = controller_on_cpu()
+    undo = kvobs_sglang.instrument_hicache(obs, controller)  # or the classes: instrument_hicache(obs)
+    slots = allocator.alloc(2 * PAGE)
+    for layer in [*pool.k_buffer, *pool.v_buffer]:
+        layer[slots] = 0.5
+    host = controller.write(slots, node_id=1)  # copied to host now; its transfer ends at the ack
+    take_acks(controller.ack_write_queue)
+    destination = controller.load(host, node_id=2)  # queued; the copy runs in start_loading()
+    print(f"load-back queued into slots {destination.tolist()}, open prefetches: {obs.open.count('prefetch')}")
+    controller.start_loading()
+    take_acks(controller.ack_load_queue)
+    for layer in [*pool.k_buffer, *pool.v_buffer]:
+        layer[slots[:1]] = math.nan
+    print(f"write-back of a NaN page returned {controller.write(slots, node_id=3)}")  # not copied
+    undo()
     for line in generate_latest(registry).decode().splitlines():
         if line.startswith(("kvobs_transfers_total", "kvobs_nan_checks_total")) and not line.endswith(" 0.0"):
             print(line)

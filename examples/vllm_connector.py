@@ -11,24 +11,20 @@ Every offloading load job then is a `prefetch` transfer checked for NaN/Inf once
 store job a `write_back` checked before it is submitted; a corrupt load is reported to vLLM as a load
 failure (vLLM recomputes it), a corrupt store is left out.
 
-This script runs it on vLLM's real OffloadingConnector, on CPU: an installed vLLM if there is one, else the
-vLLM 0.33 wheel cached by kvobs's tests (tests/upstream.py). On CPU vLLM has no offloading worker (its copies
-run on CUDA streams), so this script plugs one in through vLLM's own out-of-tree spec option
-(`spec_name` / `spec_module_path`) that copies with torch indexing.
+This script runs it on vLLM's real OffloadingConnector, on CPU; it needs vLLM 0.33 installed beside kvobs
+(without it, it says so and exits). On CPU vLLM has no offloading worker (its copies run on CUDA streams), so
+this script plugs one in through vLLM's own out-of-tree spec option (`spec_name` / `spec_module_path`) that
+copies with torch indexing.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import sys
 import types
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
-import torch
 from prometheus_client import CollectorRegistry, generate_latest
 
 import kvobs
@@ -55,31 +51,20 @@ SETUPS = {
 }
 
 
-@contextlib.contextmanager
-def vllm_modules() -> Iterator[None]:
-    """vLLM's modules: installed, or loaded from the tests' cached wheel."""
+def vllm_or_exit() -> None:
+    """Exit 0 saying what is missing when vLLM (which brings torch) is not installed."""
     try:
         import vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector  # noqa: F401
-
-        yield
-        return
-    except ImportError:
-        pass
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    import upstream
-
-    try:
-        engine = upstream.load_vllm()
-    except upstream.UpstreamUnavailable as exc:
-        raise SystemExit(f"vLLM is not installed and its wheel cannot be had, nothing to show: {exc}") from None
-    with engine.active():
-        yield
+    except ImportError as exc:
+        print(f"skipped: needs vLLM 0.33 installed beside kvobs (pip install vllm==0.33.0): {exc}")
+        sys.exit(0)
 
 
 def __getattr__(name: str) -> Any:
     """vLLM loads the offloading spec by module path and name: this script's, built once vLLM is there."""
     if name != "TorchCopyOffloadingSpec":
         raise AttributeError(name)
+    import torch
     from vllm.v1.kv_offload.base import OffloadingWorker, TransferResult
     from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
@@ -121,6 +106,7 @@ def __getattr__(name: str) -> Any:
 
 def offloading_worker_connector() -> Any:
     """The worker-side connector vLLM builds from the CPU-offloading configuration, through its own factory."""
+    import torch
     from vllm.config import VllmConfig
     from vllm.config.kv_transfer import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -178,23 +164,25 @@ def job(request_id: str, source: list[int], destination: list[int], load: bool) 
 
 
 def main() -> None:
+    vllm_or_exit()
+    import torch
+
     for name, config in SETUPS.items():
         print(f"# {name}\nvllm serve <model> --kv-transfer-config '{json.dumps(config)}'")
     registry = CollectorRegistry()
     undo = use_observer(kvobs.KVObserver("vllm-example", lock=None, registry=registry))
-    with vllm_modules():
-        connector = offloading_worker_connector()
-        caches = {layer: torch.zeros(BLOCKS, *BLOCK) for layer in ("layer.0", "layer.1")}
-        connector.register_kv_caches(caches)
-        caches["layer.0"][2] = 1.0
-        step(connector, store_jobs={1: job("req-1", [2], [5], load=False)})  # stored on the next step
-        print(f"load of a clean block, bad blocks: {step(connector, load_jobs={2: job('req-2', [5], [3], True)})}")
-        caches["layer.1"][4, 0, 0, 0, 0] = math.nan
-        step(connector, store_jobs={3: job("req-3", [4], [6], load=False)})
-        step(connector)  # the NaN store is left out, and reported done
-        print(f"load from where the NaN store was left out, bad blocks: "
-              f"{step(connector, load_jobs={4: job('req-4', [6], [7], True)})}")
-        connector.shutdown()
+    connector = offloading_worker_connector()
+    caches = {layer: torch.zeros(BLOCKS, *BLOCK) for layer in ("layer.0", "layer.1")}
+    connector.register_kv_caches(caches)
+    caches["layer.0"][2] = 1.0
+    step(connector, store_jobs={1: job("req-1", [2], [5], load=False)})  # stored on the next step
+    print(f"load of a clean block, bad blocks: {step(connector, load_jobs={2: job('req-2', [5], [3], True)})}")
+    caches["layer.1"][4, 0, 0, 0, 0] = math.nan
+    step(connector, store_jobs={3: job("req-3", [4], [6], load=False)})
+    step(connector)  # the NaN store is left out, and reported done
+    print(f"load from where the NaN store was left out, bad blocks: "
+          f"{step(connector, load_jobs={4: job('req-4', [6], [7], True)})}")
+    connector.shutdown()
     undo()
     for line in generate_latest(registry).decode().splitlines():
         if line.startswith(("kvobs_transfers_total", "kvobs_nan_checks_total")) and not line.endswith(" 0.0"):

@@ -8,6 +8,7 @@ from kvobs.block_lock import BlockLock
 from kvobs.errors import (
     CorruptKVError,
     DuplicateEngine,
+    InvalidOption,
     KVObsError,
     LockTimeout,
     MetricNameConflict,
@@ -38,6 +39,7 @@ __all__ = [
     "EarlySignalBuffer",
     "Guard",
     "Instrumentation",
+    "InvalidOption",
     "IntegrityPolicy",
     "KVObsError",
     "KVObserver",

@@ -3,16 +3,23 @@
 A waiter tries the lock, then sleeps on a future with exponential backoff (capped, so a lock freed by
 another process is noticed soon); a release made through kvobs wakes the waiters of that lock at once.
 Nothing is ever acquired while the coroutine is suspended, so cancelling it can never leave a lock held.
+
+A writer on a lock with writer preference (`BlockLock.queue_writer`) stays queued between its tries, as a
+waiting sync writer does: otherwise overlapping readers would pass it forever, since each try only finds the
+blocks free if the readers happen to leave a gap. What queues it is released when the wait ends, however
+it ends.
 """
 
 from __future__ import annotations
 
 import asyncio
 import weakref
+from collections import deque
+from collections.abc import Callable
 from time import monotonic
 from typing import Any
 
-from kvobs.atomic import Held
+from kvobs.atomic import Held, release_now
 from kvobs.locks import CacheLock, Claim, OnConflict
 
 _FIRST_SLEEP_S = 50e-6
@@ -35,18 +42,24 @@ async def acquire_async(
     waiters = _WAITERS.get(lock)
     if waiters is None:
         waiters = _WAITERS.setdefault(lock, set())
+    queue: Callable[[Held, Claim], None] | None = getattr(lock, "queue_writer", None)
+    queued: Held = deque()
     global waiting
     waiting += 1
     try:
-        return await _wait(lock, held, claim, deadline, loop, waiters)
+        return await _wait(lock, held, claim, deadline, loop, waiters, queue, queued)
     finally:
         waiting -= 1
+        release_now(queued)
 
 
 async def _wait(lock: CacheLock, held: Held, claim: Claim, deadline: float | None,
-                loop: asyncio.AbstractEventLoop, waiters: set[Any]) -> bool:
+                loop: asyncio.AbstractEventLoop, waiters: set[Any],
+                queue: Callable[[Held, Claim], None] | None, queued: Held) -> bool:
     sleep_s = _FIRST_SLEEP_S
     while True:
+        if queue is not None:
+            queue(queued, claim)  # again each time: a turnstile another writer held may be free now
         delay = sleep_s if deadline is None else min(sleep_s, deadline - monotonic())
         if delay <= 0:
             return False

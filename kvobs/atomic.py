@@ -14,6 +14,8 @@ kvobs gets the same guarantee by never letting bytecode run between an action an
 - `one_shot_release(held)` is built BEFORE anything is acquired and returns a callable that runs every undo
   in `held` (newest first) and then clears it, again inside one C-level call. It does its work at most once,
   from any thread, so cleanup paths may call it freely.
+- `one_shot_release_when_dropped(held)` is that callable together with a one-argument twin sharing its one
+  shot, for a weak reference's callback: C code runs it when the referent dies, with no bytecode before it.
 - Who ends something is decided the same way: `mine.extend(islice(token_iterator, 1))` moves a one-shot
   token into the caller's own list in one C call, so the winner knows it won even if interrupted at once.
 """
@@ -55,6 +57,14 @@ def one_shot_release(held: Held) -> Callable[[], Any]:
     Build it before acquiring: the iterators read `held` lazily, when the callable first runs.
     """
     return functools.partial(deque, map(CALL, chain(held, (held.clear,))), 0)
+
+
+def one_shot_release_when_dropped(held: Held) -> tuple[Callable[[], Any], Callable[[Any], Any]]:
+    """`one_shot_release(held)`, and a twin taking (and ignoring) one argument, as `weakref.ref` passes to its
+    callback. They share one iterator over the undo steps: whichever runs first undoes `held`, the other then
+    finds nothing to do. `functools.reduce` only consumes it (`operator.is_` never raises)."""
+    steps = map(CALL, chain(held, (held.clear,)))
+    return functools.partial(deque, steps, 0), functools.partial(functools.reduce, operator.is_, steps)
 
 
 def release_now(held: Held) -> None:

@@ -5,21 +5,30 @@ exactly as two processes do only if each claim has a description of its own. Ope
 system call, so idle descriptions are pooled. Each is re-opened through ``/proc/self/fd/N`` of the checked
 lock file, which hands back exactly that file, never another one planted at its path since.
 
+The pool keeps at most `MAX_IDLE` idle descriptions: a burst of open claims (each holds one until it ends)
+would otherwise keep its descriptors for the life of the process. Surplus is closed on the next claim.
+
 Interrupt safety (see `kvobs.atomic`): taking an idle description pushes "return it to the pool" onto the
-claim's undo deque in the same C call that pops it, and growing the pool opens a description and pools it
-in one C call too, so however an asynchronous exception interrupts either, nothing is lost or leaked.
+claim's undo deque in the same C call that pops it, growing the pool opens a description and pools it in one
+C call, and shrinking it un-pools and closes one in one C call too, so however an asynchronous exception
+interrupts any of them, nothing is lost or leaked.
 """
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
+import resource
 from collections import deque
-from itertools import tee
+from itertools import repeat, tee
 
 from kvobs.atomic import CALL, Held
+from kvobs.errors import OutOfDescriptors
 
-__all__ = ["PROC_FD", "DescriptionPool"]
+__all__ = ["MAX_IDLE", "PROC_FD", "DescriptionPool"]
+
+MAX_IDLE = 16
 
 PROC_FD = "/proc/self/fd"
 _REOPEN_FLAGS = os.O_RDWR | os.O_CLOEXEC
@@ -41,10 +50,13 @@ class DescriptionPool:
         """New containers: undo steps copied from elsewhere (a parent process) keep pointing at the old ones."""
         self.idle: deque[int] = deque()  # most recently used on the right
         self._pop = (self.idle.pop,)
+        self._pop_oldest = self.idle.popleft
         self._returner = functools.partial(functools.partial, self.idle.append)
 
     def take(self, held: Held) -> int:
         """Pop an idle description and push its return to the pool, in one C call; open one if none is idle."""
+        if len(self.idle) > MAX_IDLE:
+            self.shrink()
         while True:
             try:
                 held.extendleft(map(self._returner, map(CALL, self._pop)))
@@ -58,7 +70,20 @@ class DescriptionPool:
         if self.base < 0:
             raise ValueError(f"{self.label} is closed")
         opened = tee(map(os.open, (self._reopen_path,), (_REOPEN_FLAGS,)))
-        self.idle.extend(map(self.opened.setdefault, *opened))  # setdefault(fd, fd) returns fd
+        try:
+            self.idle.extend(map(self.opened.setdefault, *opened))  # setdefault(fd, fd) returns fd
+        except OSError as exc:
+            if exc.errno not in (errno.EMFILE, errno.ENFILE):
+                raise
+            in_use = len(self.opened) - len(self.idle)
+            raise OutOfDescriptors(self.label, in_use, resource.getrlimit(resource.RLIMIT_NOFILE)[0]) from exc
+
+    def shrink(self) -> None:
+        """Close the least recently used idle descriptions beyond `MAX_IDLE`, each un-pooled and closed in
+        one C call."""
+        surplus = len(self.idle) - MAX_IDLE
+        if surplus > 0:
+            deque(map(os.close, map(self.opened.pop, map(CALL, repeat(self._pop_oldest, surplus)))), 0)
 
     def close(self) -> None:
         """Close every descriptor (which drops every range still locked through them). Idempotent."""

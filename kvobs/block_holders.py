@@ -27,7 +27,7 @@ from itertools import repeat
 from operator import add
 
 from kvobs import ofd
-from kvobs.errors import LockTimeout
+from kvobs.errors import LockInitTimeout
 from kvobs.locks import UNKNOWN_HOLDER
 from kvobs.polling import poll
 from kvobs.semconv import HOLDER_FORWARD, PATH_PREFETCH, PATH_SEND, PATH_WRITE_BACK
@@ -44,6 +44,8 @@ _BUILTIN = (UNKNOWN_HOLDER, PATH_PREFETCH, PATH_WRITE_BACK, PATH_SEND, HOLDER_FO
 _FIRST_CUSTOM = 16
 _INIT_WAIT_S = 10.0
 _INIT_PAUSE_S = 1e-3
+_STATES = {"T": "stopped", "t": "stopped by a debugger", "D": "in uninterruptible sleep", "Z": "a zombie",
+           "R": "running", "S": "sleeping"}
 
 # A byte no claim ever covers (claims lock bytes below 2 * num_blocks): whoever holds it initialises or
 # checks the header, so a second opener never reads a half-written one.
@@ -111,11 +113,46 @@ class HolderTable:
 
 def _take_init_byte(fd: int, path: str) -> None:
     """Poll for the init byte: held only while an opener writes or reads the header, but never wait forever
-    on a process stopped in the middle of it."""
+    on a process stopped in the middle of it, and then say which one it is."""
     setlk = functools.partial(fcntl.fcntl, fd, ofd.F_OFD_SETLK)
     attempt = functools.partial(ofd.granted, setlk, ofd.pack(fcntl.F_WRLCK, INIT_LOCK_BYTE, 1))
     if not poll(attempt, time.monotonic() + _INIT_WAIT_S, _INIT_PAUSE_S, _INIT_PAUSE_S):
-        raise LockTimeout(f"{path} (initialisation)", _INIT_WAIT_S)
+        holders = ", ".join(f"pid {pid} ({_process_state(pid)})" for pid in _init_byte_holders(os.fstat(fd)))
+        raise LockInitTimeout(path, _INIT_WAIT_S, holder=holders or "holder not found in /proc")
+
+
+def _init_byte_holders(file: os.stat_result) -> list[int]:
+    """The processes with a description of `file` that locks the init byte. The kernel reports no pid for OFD
+    locks (``F_OFD_GETLK`` and /proc/locks give -1), but each descriptor's /proc/<pid>/fdinfo lists the locks
+    of its own description; readable for this user's processes (all of them as root). Runs once, after the
+    wait timed out, so scanning every process costs nothing that matters."""
+    device = f"{os.major(file.st_dev):02x}:{os.minor(file.st_dev):02x}:{file.st_ino} {INIT_LOCK_BYTE} "
+    holders = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            descriptors = os.listdir(f"/proc/{pid}/fdinfo")
+        except OSError:  # gone, or another user's
+            continue
+        for descriptor in descriptors:
+            try:
+                with open(f"/proc/{pid}/fdinfo/{descriptor}") as info:
+                    found = any(line.startswith("lock:") and device in line for line in info)
+            except OSError:
+                continue
+            if found:
+                holders.append(int(pid))
+                break
+    return holders
+
+
+def _process_state(pid: int) -> str:
+    """What /proc says process `pid` is doing ("stopped" for SIGSTOP), or "state unknown"."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            code = stat.read().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return "state unknown"
+    return _STATES.get(code, f"state {code}")
 
 
 def _map_checked(fd: int, num_blocks: int, path: str) -> mmap.mmap:

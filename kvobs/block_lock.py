@@ -52,10 +52,11 @@ from kvobs.locks import UNKNOWN_HOLDER, Claim, OnConflict
 from kvobs.polling import poll
 from kvobs.semconv import CLAIM_EXCLUSIVE, CLAIM_SHARED
 
-__all__ = ["BlockClaim", "BlockLock"]
+__all__ = ["DEFAULT_MAX_RANGES", "BlockClaim", "BlockLock"]
 
 _FIRST_PAUSE_S = 50e-6
 _MAX_PAUSE_S = 1e-3
+DEFAULT_MAX_RANGES = 64  # a forward step's 256 blocks in 64 runs stay exact (benchmarks/block_lock.py)
 _MAX_BLOCKS = 1 << 40  # data and turnstile bytes stay far below the init byte (1 << 62)
 _SUFFIX = ".blocks"
 _POPLEFT = deque.popleft
@@ -77,6 +78,13 @@ class BlockLock:
     unclaimed blocks as one range: fewer calls for a fragmented batch, at the price of also claiming those
     gap blocks (a transfer touching only them waits for the claim). 0, the default, claims exactly the
     blocks asked for.
+
+    `max_ranges` bounds the ranges of one claim. Every kernel call scans all the locks already on the file,
+    so a claim of n scattered runs would cost O(n^2) (thousands of runs take seconds, past any timeout); a
+    claim of more runs than `max_ranges` bridges its narrowest gaps until it fits, so its cost stays linear
+    in its runs. The trade-off is the same as `coalesce_gap`'s: the bridged gap blocks are locked too, so a
+    transfer touching only them waits for the claim. Raise it to claim very fragmented batches more exactly,
+    at a kernel cost that grows with its square.
     """
 
     def __init__(
@@ -87,12 +95,16 @@ class BlockLock:
         directory: str | os.PathLike[str] | None = None,
         create: bool = True,
         coalesce_gap: int = 0,
+        max_ranges: int = DEFAULT_MAX_RANGES,
     ) -> None:
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or not 1 <= num_blocks <= _MAX_BLOCKS:
             raise ValueError(f"num_blocks must be an int from 1 to {_MAX_BLOCKS}, got {num_blocks!r}")
         if isinstance(coalesce_gap, bool) or not isinstance(coalesce_gap, int) or coalesce_gap < 0:
             raise ValueError(f"coalesce_gap must be an int >= 0, got {coalesce_gap!r}")
+        if isinstance(max_ranges, bool) or not isinstance(max_ranges, int) or max_ranges < 1:
+            raise ValueError(f"max_ranges must be an int >= 1, got {max_ranges!r}")
         self.coalesce_gap = coalesce_gap
+        self.max_ranges = max_ranges
         self.directory = lock_directory(directory)
         self.path = lock_path(name, self.directory, _SUFFIX)
         self.name = name
@@ -106,7 +118,7 @@ class BlockLock:
         except BaseException:
             os.close(fd)
             raise
-        self._planner = BlockPlanner(name, num_blocks, coalesce_gap)
+        self._planner = BlockPlanner(name, num_blocks, coalesce_gap, max_ranges)
         self._descriptions = DescriptionPool(fd, repr(self))
         self._finalizer = weakref.finalize(self, _close_all, self._descriptions, self._holders)
         self._active: dict[int, _Record] = {}  # descriptor -> the granted claim it holds
@@ -121,7 +133,8 @@ class BlockLock:
 
     def __reduce__(self) -> tuple[Any, ...]:
         # A spawned worker attaches by name to the same file; it never creates one.
-        attach = functools.partial(BlockLock, directory=self.directory, create=False, coalesce_gap=self.coalesce_gap)
+        attach = functools.partial(BlockLock, directory=self.directory, create=False, coalesce_gap=self.coalesce_gap,
+                                   max_ranges=self.max_ranges)
         return attach, (self.name, self.num_blocks)
 
     # --- the cache-lock protocol ----------------------------------------------------------------------
@@ -179,6 +192,29 @@ class BlockLock:
         """A context manager holding `blocks` (sorted distinct ids; empty: the whole cache); LockTimeout
         when they cannot be had within `timeout` seconds."""
         return BlockClaim(self, Claim(holder, tuple(blocks), exclusive), timeout)
+
+    def queue_writer(self, queued: Held, claim: Claim) -> None:
+        """Queue a writer that waits holding no block (an async waiter between its zero-timeout tries): hold
+        the turnstile of every run of `claim` that is free, on a description of its own whose undo steps
+        `queued` keeps across calls, so readers arriving from now on wait behind it and those inside drain.
+        Without it such a writer finds the blocks free only if the readers happen to leave a gap. Readers
+        (shared claims) never queue: a no-op for them.
+
+        Safe to hold for as long as the writer waits: only a reader that holds nothing waits for a turnstile.
+        """
+        if not claim.exclusive:
+            return
+        plan = self._planner.plan(claim)
+        if not queued:
+            taken = self._descriptions.take(queued)
+            queued.appendleft(functools.partial(fcntl.fcntl, taken, ofd.F_OFD_SETLK, ofd.UNLOCK_ALL))
+        fd: int = queued[0].args[0]  # type: ignore[attr-defined]  # the newest step: unlock everything on fd
+        setlk = functools.partial(fcntl.fcntl, fd, ofd.F_OFD_SETLK)
+        code = self._holders.code(claim.holder)
+        for start, length in zip(plan.starts, plan.lengths):
+            gate = self.num_blocks + start
+            if ofd.granted(setlk, ofd.pack(fcntl.F_WRLCK, gate, length)):
+                self._holders.stamp([gate], code)
 
     # --- inside a claim ------------------------------------------------------------------------------
 

@@ -1,13 +1,16 @@
 """A block claim turned into byte-range lock requests, checked before any lock is touched.
 
 Block b is byte b of the lock file; a run of consecutive ids becomes one range, so one kernel call. With a
-`coalesce_gap`, runs separated by at most that many unclaimed blocks are bridged into one range.
+`coalesce_gap`, runs separated by at most that many unclaimed blocks are bridged into one range. A claim
+never takes more than `max_ranges` ranges: beyond that, the smallest gaps are bridged until it fits, since
+each kernel call scans every lock already on the file and a claim of n ranges would cost O(n^2).
 """
 
 from __future__ import annotations
 
 import fcntl
 import functools
+import heapq
 import operator
 import os
 from itertools import islice, repeat
@@ -37,10 +40,11 @@ class Plan(NamedTuple):
 class BlockPlanner:
     """Plans the claims of one block lock (`name` is only for error messages)."""
 
-    def __init__(self, name: str, num_blocks: int, coalesce_gap: int) -> None:
+    def __init__(self, name: str, num_blocks: int, coalesce_gap: int, max_ranges: int) -> None:
         self.name = name
         self.num_blocks = num_blocks
         self.coalesce_gap = coalesce_gap
+        self.max_ranges = max_ranges
         self._whole = {
             exclusive: Plan([ofd.pack(kind, 0, num_blocks)], [0], [num_blocks], num_blocks)
             for exclusive, kind in ((True, fcntl.F_WRLCK), (False, fcntl.F_RDLCK))
@@ -61,14 +65,17 @@ class BlockPlanner:
             starts, lengths = [first], [count]  # one run: checked in C, no per-id bytecode
         else:
             starts, lengths = self._runs(blocks)
+            if len(starts) > self.max_ranges:
+                starts, lengths = _bridged(starts, lengths, self.max_ranges)
         requests = list(map(_PACKERS[bool(claim.exclusive)], starts, lengths, repeat(0)))
         return Plan(requests, starts, lengths, count)
 
     def locked_blocks(self, claim: Claim) -> set[int]:
-        """The blocks a claim locks: its own, and with `coalesce_gap` the gap blocks bridged between them."""
-        if not self.coalesce_gap:
-            return set(claim.blocks)
+        """The blocks a claim locks: its own, and the gap blocks bridged between them (`coalesce_gap`,
+        `max_ranges`)."""
         plan = self.plan(claim)
+        if sum(plan.lengths) == plan.blocks:
+            return set(claim.blocks)
         return {block for start, length in zip(plan.starts, plan.lengths) for block in range(start, start + length)}
 
     def _runs(self, blocks: tuple[int, ...]) -> tuple[list[int], list[int]]:
@@ -88,3 +95,14 @@ class BlockPlanner:
             expected = block + 1
         ends.append(expected)
         return starts, list(map(operator.sub, ends, starts))
+
+
+def _bridged(starts: list[int], lengths: list[int], max_ranges: int) -> tuple[list[int], list[int]]:
+    """The runs merged into `max_ranges` ranges by bridging every gap but the `max_ranges - 1` widest: the
+    fewest unclaimed blocks locked for that many ranges, in O(n log max_ranges)."""
+    ends = list(map(operator.add, starts, lengths))
+    gaps = list(map(operator.sub, islice(starts, 1, None), ends))
+    kept = sorted(heapq.nlargest(max_ranges - 1, range(len(gaps)), key=gaps.__getitem__))
+    new_starts = [starts[0], *(starts[gap + 1] for gap in kept)]
+    new_ends = [*(ends[gap] for gap in kept), ends[-1]]
+    return new_starts, list(map(operator.sub, new_ends, new_starts))

@@ -7,6 +7,7 @@ imported until a subcommand runs: `kvobs --help` does not import torch.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import sys
@@ -86,12 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_demo_arguments(demo: argparse.ArgumentParser) -> None:
     demo.add_argument("--duration", type=duration, metavar="S",
-                      help=f"seconds per run (default {DEFAULT_DURATION_S:g}; the default demo takes about 30 s in "
+                      help=f"seconds per run (default {DEFAULT_DURATION_S:g}; the default demo takes 35-40 s in "
                            "all); with --serve: stop after S seconds (default: run until SIGINT/SIGTERM)")
     demo.add_argument("--seed", type=seed, default=0, metavar="N", help="workload seed (default 0)")
-    demo.add_argument("--metrics-port", type=port, default=DEFAULT_METRICS_PORT, metavar="P",
-                      help=f"serve Prometheus metrics on this port (default {DEFAULT_METRICS_PORT}); "
-                           "0 = don't serve (not with --serve)")
+    demo.add_argument("--metrics-port", type=port, metavar="P",
+                      help="serve Prometheus metrics on this port (default: not served; with --serve, "
+                           f"{DEFAULT_METRICS_PORT}); 0 = don't serve (not with --serve)")
     demo.add_argument("--metrics-addr", metavar="ADDR",
                       help=f"address of the metrics endpoint (default {DEFAULT_METRICS_ADDR})")
     demo.add_argument("--serve", action="store_true",
@@ -115,21 +116,31 @@ def demo_conflicts(args: argparse.Namespace) -> list[str]:
                         f"default {DEFAULT_METRICS_PORT})")
     if args.serve and args.json:
         problems.append("--json prints the comparison's summary; --serve prints none (it serves metrics)")
-    if args.metrics_port == 0 and args.metrics_addr is not None:
-        problems.append("--metrics-addr has no effect with --metrics-port 0 (metrics are not served)")
+    if demo_metrics_port(args) == 0 and args.metrics_addr is not None:
+        problems.append("--metrics-addr has no effect when metrics are not served (give --metrics-port P)")
     return problems
+
+
+def demo_metrics_port(args: argparse.Namespace) -> int:
+    """The port metrics are served on, 0 for none: a plain demo opens no port unless asked (it should leave
+    no trace on the host beyond its output); --serve exists to be scraped, on the default port unless told."""
+    if args.metrics_port is not None:
+        return args.metrics_port
+    return DEFAULT_METRICS_PORT if args.serve else 0
 
 
 def _demo(args: argparse.Namespace) -> int:
     problems = demo_conflicts(args)
     if problems:
         args.parser.error("; ".join(problems))
+    if importlib.util.find_spec("torch") is None:  # the simulated engine's KV cache is a torch tensor
+        args.parser.exit(2, "kvobs demo needs torch, which is not installed: pip install 'kvobs[torch]'\n")
     from kvobs.sim.demo import DemoOptions, run_demo, serve
     from kvobs.sim.engine import SimulationFailed
     from kvobs.sim.report import format_table
 
     opts = DemoOptions(
-        duration_s=_run_length(args), seed=args.seed, metrics_port=args.metrics_port,
+        duration_s=_run_length(args), seed=args.seed, metrics_port=demo_metrics_port(args),
         metrics_addr=args.metrics_addr or DEFAULT_METRICS_ADDR, otlp_endpoint=args.otlp_endpoint,
         faults=frozenset(args.fault), quiet=args.quiet,
     )

@@ -8,11 +8,13 @@ import re
 from typing import Any
 
 from kvobs import semconv as sc
+from kvobs.errors import InvalidOption
 from kvobs.policy import IntegrityPolicy
 
 DEFAULT_LOCK_TIMEOUT_S = 30.0
 DEFAULT_DEADLINE_S = 60.0
 _LABEL_VALUE = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
+_TRUTHY = {"1", "true", "yes", "on"}
 _FALSY = {"0", "false", "no", "off"}
 
 
@@ -27,17 +29,23 @@ def label_value(what: str, value: Any) -> str:
 
 
 def seconds(what: str, value: float | None, env: str, default: float) -> float:
-    """A positive finite number of seconds: the argument, else the variable `env`, else `default`."""
+    """A positive finite number of seconds: the argument, else the variable `env`, else `default`.
+
+    InvalidOption names the argument or the variable, whichever the bad value came from."""
+    expected = "use a positive finite number of seconds"
     if value is None:
         text = os.environ.get(env)
         if text is None:
             return default
         try:
-            value = float(text)
+            parsed = float(text)
         except ValueError:
-            raise ValueError(f"{env}={text!r} is not a number of seconds") from None
+            raise InvalidOption(env, text, expected) from None
+        if not math.isfinite(parsed) or parsed <= 0:
+            raise InvalidOption(env, text, expected)
+        return parsed
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{what} must be a positive finite number of seconds, got {value!r}")
+        raise InvalidOption(what, value, expected)
     return float(value)
 
 
@@ -73,10 +81,20 @@ def optional_positive_int(what: str, value: Any) -> int | None:
 
 
 def enabled(value: bool | None) -> bool:
-    """The `enabled` argument, else KVOBS_ENABLED (0/false/no/off turn telemetry off)."""
+    """The `enabled` argument (True, False, or None for the environment), else KVOBS_ENABLED, else on.
+
+    Anything else is an error: a typo such as `enabled="false"` or `KVOBS_ENABLED=maybe` silently meaning
+    "on" would leave an operator believing telemetry is off (or the reverse)."""
     if value is not None:
-        return bool(value)
-    return os.environ.get(sc.ENV_ENABLED, "1").strip().lower() not in _FALSY
+        if not isinstance(value, bool):
+            raise InvalidOption("enabled", value, f"use True, False, or None to read {sc.ENV_ENABLED}")
+        return value
+    text = os.environ.get(sc.ENV_ENABLED, "").strip().lower()
+    if not text:
+        return True
+    if text in _TRUTHY or text in _FALSY:
+        return text in _TRUTHY
+    raise InvalidOption(sc.ENV_ENABLED, os.environ[sc.ENV_ENABLED], "use 1/true/yes/on or 0/false/no/off")
 
 
 def policy(value: Any) -> IntegrityPolicy | None:

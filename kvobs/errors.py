@@ -87,6 +87,21 @@ class LockTimeout(KVObsError, TimeoutError):
         return f"cache lock {self.lock_name!r} not acquired within {self.waited_s:.3f} s{where}"
 
 
+class LockInitTimeout(LockTimeout):
+    """Opening a BlockLock waited `waited_s` for the byte that guards its file's header: another opener holds
+    it, stopped or hung while it writes or checks the header. `lock_name` is the lock file; `holder` says
+    which processes hold the byte, as far as /proc shows them."""
+
+    holder: str = "holder not found"
+
+    def message(self) -> str:
+        return (
+            f"block lock file {self.lock_name} not opened within {self.waited_s:.3f} s: another opener holds the "
+            f"byte that guards its header ({self.holder}); a process stopped (SIGSTOP, a debugger) or hung while "
+            "opening the lock: resume or end it"
+        )
+
+
 class ReentrantLockError(KVObsError, RuntimeError):
     """A guarded call asked for a lock its own context already holds: waiting would only time out."""
 
@@ -164,6 +179,35 @@ class MultiprocessDirError(KVObsError, ValueError):
     )
 
 
+class InvalidOption(KVObsError, ValueError):
+    """An observer option, given as an argument or a KVOBS_* variable, that kvobs does not understand.
+
+    `name` is what the user wrote: the argument's name, or the variable's when the value came from the
+    environment, so the message points at the line to fix.
+    """
+
+    name: str
+    value: object
+    expected: str
+
+    template = "{name}={value!r} is not understood: {expected}"
+
+
+class MultiprocessDirFull(KVObsError):
+    """A metric file in PROMETHEUS_MULTIPROC_DIR could not get its space: kvobs records no new series there
+    (a file left without its space would kill the process with SIGBUS at the next write)."""
+
+    path: str
+    size: int
+    reason: str
+    consequence: str
+
+    template = (
+        "cannot reserve {size} bytes for the metric file {path!r} ({reason}): {consequence}; free space in the "
+        "multiprocess directory or give its filesystem more (Docker's /dev/shm is 64 MB by default)"
+    )
+
+
 class UnsafeLockFile(KVObsError, PermissionError):
     """A lock file or lock directory kvobs refuses to use; `reason` says why, `path` says which."""
 
@@ -210,3 +254,18 @@ class SpanExportFailed(KVObsError):
     reason: str
 
     template = "{exporter} failed to export {spans} spans: {reason}"
+
+
+class OutOfDescriptors(KVObsError, OSError):
+    """A BlockLock claim needs a description of its own of the lock file and the process has no file
+    descriptor left; nothing was claimed."""
+
+    lock_name: str
+    in_use: int
+    limit: int
+
+    template = (
+        "{lock_name}: cannot open a description of the lock file for a claim: the process is out of file "
+        "descriptors (limit {limit}; {in_use} are this lock's open claims, one per claim until it ends): end "
+        "open transfers, or raise the limit (ulimit -n / RLIMIT_NOFILE)"
+    )

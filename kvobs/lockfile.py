@@ -57,27 +57,29 @@ def base_directory() -> str:
 def private_directory(base: str | None = None) -> str:
     """This user's lock directory under `base` (default `base_directory()`), created mode 0700 if missing.
 
-    Refused unless it is a real directory (not a symlink) owned by this user that nobody else can enter:
-    another user who creates it first gets a clear error here, never a lock.
+    Refused unless `base` is safe (see `_check_base`) and the directory is a real directory (not a symlink)
+    owned by this user that nobody else can enter: another user who creates it first gets a clear error
+    here, never a lock.
     """
+    origin = f" (set by {ENV_LOCK_DIR})" if base is None and os.environ.get(ENV_LOCK_DIR) else ""
     base = base_directory() if base is None else base
-    path = os.path.join(base, f"kvobs-{os.geteuid()}")
+    name = f"kvobs-{os.geteuid()}"
+    path = os.path.join(base, name)
+    base_fd = _open_base(base, origin)
     try:
-        os.mkdir(path, _DIRECTORY_MODE)
-        created = True
-    except FileExistsError:
-        created = False
-    except FileNotFoundError:
-        raise FileNotFoundError(
-            errno.ENOENT,
-            f"the cache lock base directory does not exist (set {ENV_LOCK_DIR} to an existing directory)",
-            base,
-        ) from None
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as exc:
-        _refuse_unsafe_entry(path, exc, "lock directory path", "directory", os.path.isdir)
-        raise
+        _check_base(base_fd, base, origin)
+        try:
+            os.mkdir(name, _DIRECTORY_MODE, dir_fd=base_fd)
+            created = True
+        except FileExistsError:
+            created = False
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=base_fd)
+        except OSError as exc:
+            _refuse_unsafe_entry(path, exc, "lock directory path", "directory", os.path.isdir)
+            raise
+    finally:
+        os.close(base_fd)
     try:
         info = os.fstat(fd)
         if info.st_uid != os.geteuid():
@@ -94,8 +96,56 @@ def private_directory(base: str | None = None) -> str:
 
 
 def lock_directory(directory: str | os.PathLike[str] | None = None) -> str:
-    """The directory lock files go in: `directory` as given, else this user's `private_directory()`."""
-    return os.fspath(directory) if directory is not None else private_directory()
+    """The directory lock files go in: `directory` as given (checked like a base directory), else this
+    user's `private_directory()`."""
+    if directory is None:
+        return private_directory()
+    given = os.fspath(directory)
+    fd = _open_base(given, "")
+    try:
+        _check_base(fd, given, "")
+    finally:
+        os.close(fd)
+    return given
+
+
+def _open_base(base: str, origin: str) -> int:
+    """The directory the lock directory (or the lock files) go in, opened so that what is checked is what
+    is used; `origin` says where its name came from, for the errors."""
+    try:
+        return os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            errno.ENOENT,
+            f"the cache lock directory does not exist{origin} (point {ENV_LOCK_DIR}, or the lock's "
+            "directory=, at an existing directory)",
+            base,
+        ) from None
+    except NotADirectoryError:
+        raise UnsafeLockFile(base, f"it is not a directory{origin}") from None
+
+
+def _check_base(fd: int, base: str, origin: str) -> None:
+    """Refuse a directory in which another user could rename or replace what kvobs keeps there.
+
+    Whoever may rename entries of the directory can move this user's lock directory (or a lock file) away;
+    the next worker then creates a fresh one and two workers hold "the same" lock on different files. The
+    owner can always rename entries, and so can anyone with write access unless the sticky bit is set (as
+    on ``/tmp`` and ``/dev/shm``), which limits renames to the entry's owner.
+    """
+    info = os.fstat(fd)
+    if info.st_uid not in (0, os.geteuid()):
+        raise UnsafeLockFile(
+            base, f"the directory is owned by uid {info.st_uid}{origin}, who could rename this user's locks away; "
+            "use a directory owned by root or by this user"
+        )
+    mode = stat.S_IMODE(info.st_mode)
+    if mode & 0o022 and not mode & stat.S_ISVTX:
+        raise UnsafeLockFile(
+            base, f"the directory is writable by others (mode {mode:04o}) without the sticky bit{origin}: any "
+            "of them could rename this user's locks away, and two workers would hold the same lock on "
+            "different files; set the sticky bit (chmod +t) or use a directory only this user can write"
+        )
 
 
 def lock_path(name: str, directory: str, suffix: str = ".lock") -> str:

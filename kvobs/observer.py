@@ -18,13 +18,14 @@ from prometheus_client import CollectorRegistry
 from kvobs import config
 from kvobs import semconv as sc
 from kvobs.cache_checks import CacheCheck
+from kvobs.errors import TransferRejected
 from kvobs.guard import Guard
 from kvobs.locks import CacheLock
 from kvobs.open_transfers import OpenTransfers
 from kvobs.route import Route
 from kvobs.signals import EarlySignalBuffer, StepAlignedSignalBuffer
 from kvobs.telemetry.engine_metrics import EngineMetrics
-from kvobs.telemetry.failures import TelemetryFailures
+from kvobs.telemetry.failures import STAGE_DEADLINE_THREAD, TelemetryFailures
 from kvobs.telemetry.families import MetricFamilies
 from kvobs.telemetry.logs import default_logger, level_number
 from kvobs.telemetry.recorder import Hook, Recorder
@@ -35,6 +36,7 @@ from kvobs.transfer_checks import UNSET
 # What `begin` / `transfer` take beside the path (see Transfer and Transfer.validate).
 _TRANSFER_VALUES = frozenset(("block_ids", "requests", "keys", "cache", "nbytes", "request_id", "key",
                               "group_sizes", "trace_context"))
+_BLOCK_VALUES = ("block_ids", "requests")  # None for these is refused: leaving them out claims the whole cache
 
 
 class KVObserver:
@@ -50,7 +52,8 @@ class KVObserver:
         registry, the global OpenTelemetry provider once an application sets one, structlog's logger).
     enabled: False (or env KVOBS_ENABLED=0) keeps validation, the lock, integrity checks and hooks, and
         registers and records no metrics, spans or logs.
-    capacity: number of GPU blocks (pages), so ids past it are rejected before locking.
+    capacity: number of GPU blocks (pages), so ids past it are rejected before locking (default: a BlockLock's
+        num_blocks; never larger).
     block_bytes: bytes per KV block, for kvobs_transfer_bytes_total when a call does not say.
     block_dim: the block dimension of the cache tensors handed to integrity checks.
     page_size: ids are token slots and a block (page) holds this many (SGLang); None: ids are block ids.
@@ -100,7 +103,7 @@ class KVObserver:
         self.lock_timeout = config.seconds("lock_timeout", lock_timeout, sc.ENV_LOCK_TIMEOUT,
                                            config.DEFAULT_LOCK_TIMEOUT_S)
         self.deadline = config.seconds("deadline", deadline, sc.ENV_TRANSFER_DEADLINE, config.DEFAULT_DEADLINE_S)
-        self.capacity = config.optional_positive_int("capacity", capacity)
+        self.capacity = _capacity(config.optional_positive_int("capacity", capacity), self.lock)
         self.block_bytes = config.optional_positive_int("block_bytes", block_bytes)
         self.page_size = config.optional_positive_int("page_size", page_size)
         self.block_dim = config.block_dim(block_dim)
@@ -170,8 +173,9 @@ class KVObserver:
         return self._validated(self._route_for(path, check), values).start(skippable=skippable)
 
     def hold(self, holder: str = sc.HOLDER_FORWARD, *, block_ids: Any = None) -> Transfer:
-        """The cache lock for a holder that is not a transfer, as a `with` block (values, not specs)."""
-        return self._validated(self._holder_route_for(holder), {"block_ids": block_ids})
+        """The cache lock for a holder that is not a transfer, as a `with` block (values, not specs); without
+        `block_ids` (None) the holder claims the whole cache, as the forward pass does."""
+        return self._validated(self._holder_route_for(holder), {} if block_ids is None else {"block_ids": block_ids})
 
     def complete(self, path: str, key: Any, result: Any = None, *, moved: Any = None) -> Any:
         """Complete the open transfer under (path, key); see `Transfer.complete`. An unknown key (never
@@ -203,13 +207,15 @@ class KVObserver:
 
     def _wire(self, registry: CollectorRegistry | None, buckets: Iterable[float] | None) -> None:
         """Metrics, open transfers and a route per path and lock holder, from the checked options."""
-        self.open = OpenTransfers(self.paths, self.deadline)
         self._caches = CacheCheck(self.block_dim)
         self.metrics = self._engine_metrics(registry, buckets) if self.telemetry else None
         # telemetry off: failures (a raising hook) are still logged once per kind, with nothing to count
         self._failures: Callable[[str, BaseException], None] = (
             TelemetryFailures(self.engine, None, self.logger) if self.metrics is None
             else self.metrics.count_telemetry_error)
+        count_restart = None if self.metrics is None else functools.partial(self.metrics.failures.count,
+                                                                             STAGE_DEADLINE_THREAD)
+        self.open = OpenTransfers(self.paths, self.deadline, count_restart)
         self._routes = {p: self._route(p) for p in self.paths}
         self._variants: dict[tuple[str, Any], Route] = {}
         self._holder_routes = {h: self._holder_route(h) for h in self.holders}
@@ -229,11 +235,16 @@ class KVObserver:
         if not values.keys() <= _TRANSFER_VALUES:
             raise TypeError(f"unknown transfer value(s) {sorted(values.keys() - _TRANSFER_VALUES)}")
         get = values.get
-        block_ids, requests = get("block_ids"), get("requests")
         t = Transfer(route, keys=get("keys"), cache=get("cache"), nbytes=get("nbytes"), request_id=get("request_id"),
                      key=get("key"), trace_context=get("trace_context"))
-        return t.validate(block_ids=UNSET if block_ids is None else block_ids,
-                          requests=UNSET if requests is None else requests, group_sizes=get("group_sizes"))
+        for name in _BLOCK_VALUES:
+            if name in values and values[name] is None:  # as a decorator's spec resolving to None is refused
+                rejected = TransferRejected(route.path, f"{name}=None names no blocks: pass them (an empty sequence "
+                                                        f"for none), or leave {name} out to claim the whole cache")
+                t.reject(rejected)
+                raise rejected
+        return t.validate(block_ids=get("block_ids", UNSET), requests=get("requests", UNSET),
+                          group_sizes=get("group_sizes"))
 
     def _route(self, path: str) -> Route:
         policy = self._integrity[path]
@@ -309,6 +320,17 @@ class KVObserver:
             return {p: config.policy(integrity[p]) if p in integrity else default for p in self.paths}
         policy = config.policy(integrity)
         return {p: policy for p in self.paths}
+
+
+def _capacity(capacity: int | None, lock: CacheLock | None) -> int | None:
+    """The cache's size in blocks: a lock that locks per block knows it, so an id past it is rejected like
+    any bad input before the lock is touched, rather than failing inside the lock."""
+    lock_blocks = getattr(lock, "num_blocks", None)
+    if lock_blocks is None:
+        return capacity
+    if capacity is not None and capacity > lock_blocks:
+        raise ValueError(f"capacity={capacity} is larger than the {lock_blocks} blocks of {lock!r}")
+    return lock_blocks if capacity is None else capacity
 
 
 def _held_for(lock: CacheLock) -> float:

@@ -5,8 +5,11 @@ removal is one of its undo steps, see `kvobs.atomic`), so the counts never disag
 transfer is findable by key only once every undo step is recorded: nothing is pushed after another thread
 may end it. One daemon thread per process abandons open transfers past their deadline (`due`); it holds
 observers' tables weakly and is restarted in a forked child, where the parent's open transfers are
-forgotten. Calls on the fast lane (`kvobs.fast_lane`) are counted, aged and abandoned through the lanes a
-table watches: a lane's slot is open exactly while its release is pending.
+forgotten. Nothing may end that thread: without it a lost completion holds the lock for ever. A round that
+raises, whatever it raised, is counted as a restart under every watched observer's
+`kvobs_telemetry_errors_total{stage="deadline_thread"}` and logged once per interval, and the rounds go on.
+Calls on the fast lane (`kvobs.fast_lane`) are counted, aged and abandoned through the lanes a table watches:
+a lane's slot is open exactly while its release is pending.
 """
 
 from __future__ import annotations
@@ -24,9 +27,13 @@ from time import perf_counter
 from typing import Any, Protocol
 
 from kvobs.atomic import Held
+from kvobs.telemetry.failures import LOG_INTERVAL_S
+from kvobs.telemetry.logs import default_logger
+from kvobs.telemetry.ratelimit import RateLimitedLog
 
 _MIN_SLEEP_S = 0.005
 _MAX_SLEEP_S = 0.5
+EVENT_RESTARTED = "kvobs.deadline_thread.restarted"
 
 
 class Abandonable(Protocol):
@@ -40,8 +47,11 @@ class Abandonable(Protocol):
 class OpenTransfers:
     """One observer's open transfers. Every mutation is a single dict operation (atomic under the GIL)."""
 
-    def __init__(self, paths: tuple[str, ...], deadline_s: float) -> None:
+    def __init__(self, paths: tuple[str, ...], deadline_s: float,
+                 count_restart: Callable[[], None] | None = None) -> None:
+        """count_restart: counts a restart of the deadline thread in the observer's metrics."""
         self._seq = itertools.count()
+        self.count_restart = count_restart
         self.by_path: dict[str, dict[int, Abandonable]] = {p: {} for p in paths}
         self.by_key: dict[tuple[str, Any], Abandonable] = {}
         self.lanes: list[Any] = []  # fast lanes (`kvobs.fast_lane`) this observer's calls may take
@@ -110,38 +120,70 @@ class _Reaper:
 
     It polls (at a quarter of the shortest deadline, within [5 ms, 0.5 s]) rather than being woken, so
     nothing on the transfers' hot path takes a lock: a Python-level lock taken on the main thread could
-    itself be leaked by an asynchronous exception. The thread starts with the first observer.
+    itself be leaked by an asynchronous exception. The thread starts with the first observer. Its loop is
+    supervised: an exception of any kind (BaseException too: one injected into the thread) ends the round,
+    counts a restart (`restarts`, and per observer) and starts the next round.
     """
 
     def __init__(self) -> None:
         self._tables: weakref.WeakSet[OpenTransfers] = weakref.WeakSet()
+        self._tables_lock = threading.Lock()  # adding a table while the thread copies the set would break the copy
         self._interval = _MAX_SLEEP_S
         self._thread: threading.Thread | None = None
+        self.restarts = 0  # rounds ended by an exception
+        self._log = RateLimitedLog(default_logger(), LOG_INTERVAL_S)
 
     def watch(self, table: OpenTransfers, deadline_s: float) -> None:
-        self._tables.add(table)
-        self._interval = min(self._interval, max(deadline_s / 4, _MIN_SLEEP_S))
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="kvobs-transfer-deadlines", daemon=True)
-            self._thread.start()
+        with self._tables_lock:
+            self._tables.add(table)
+            self._interval = min(self._interval, max(deadline_s / 4, _MIN_SLEEP_S))
+            if self._thread is None or not self._thread.is_alive():
+                self._start()
+
+    def _start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="kvobs-transfer-deadlines", daemon=True)
+        self._thread.start()
 
     def _run(self) -> None:
         while True:
+            try:
+                self._rounds()
+            except BaseException as exc:  # noqa: BLE001 - the thread must outlive anything raised in it
+                try:
+                    self._restarted(exc)
+                except BaseException:  # noqa: BLE001, S110 - not even reporting the restart may end the thread
+                    pass
+
+    def _rounds(self) -> None:
+        while True:
             time.sleep(self._interval)
             now = perf_counter()
-            for table in list(self._tables):
+            for table in self._watched():
                 for t in table.expired(now):
                     _abandon_quietly(t.abandon)
+
+    def _watched(self) -> list[OpenTransfers]:
+        with self._tables_lock:
+            return list(self._tables)
+
+    def _restarted(self, exc: BaseException) -> None:
+        """Count the restart under every watched observer; log it once per interval (with how many were not)."""
+        self.restarts += 1
+        for table in self._watched():
+            if table.count_restart is not None:
+                table.count_restart()
+        self._log.log(type(exc), "warning", EVENT_RESTARTED, error_type=type(exc).__qualname__,
+                      restarts=self.restarts, exc_info=exc)
 
     def after_fork_in_child(self) -> None:
         """The thread did not survive the fork, and the parent's open transfers are not the child's."""
         self._thread = None
+        self._tables_lock = threading.Lock()  # the parent's thread may have held it at the fork
         tables = list(self._tables)
         for table in tables:
             table.forget()
         if tables:
-            self._thread = threading.Thread(target=self._run, name="kvobs-transfer-deadlines", daemon=True)
-            self._thread.start()
+            self._start()
 
 
 def _abandon_quietly(abandon: Callable[[], None]) -> None:

@@ -16,16 +16,19 @@ on the blocks that actually moved.
 
 from __future__ import annotations
 
+import functools
+import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from itertools import islice
 from time import perf_counter
+from types import MethodType
 from typing import Any
 
 from kvobs import active, async_wait
 from kvobs import semconv as sc
 from kvobs import transfer_checks as checks
-from kvobs.atomic import one_shot_release
+from kvobs.atomic import one_shot_release, one_shot_release_when_dropped
 from kvobs.errors import LockTimeout, ReentrantLockError, TransferRejected
 from kvobs.locks import Claim
 from kvobs.route import Route
@@ -46,6 +49,44 @@ _HOLDING = (HELD, SUBMITTED)
 _ONE_TOKEN = (True,)
 
 CorruptHandler = Callable[["Transfer", tuple[int, ...]], Any]
+
+
+class _ExitOfWith:
+    """`Transfer.__exit__` and `__aexit__`: a with-block's lock is released even when its exit never starts.
+
+    A signal handler that raises (Ctrl-C) runs at the first instruction of any Python function, so it can land
+    at the start of the exit before anything there runs, and the with-block's lock would stay held until the
+    deadline. The `with` statement looks the exit up before it calls `__enter__` and keeps what it found on the
+    interpreter's stack, the only reference, until it has called it. So for a transfer not yet begun, this
+    gives it a fresh callable whose death runs the transfer's undo steps (in C: a weak reference's callback,
+    sharing the one shot of `_release`). After a complete exit they have run, and nothing happens; after an
+    interrupted one the lock is released as the interrupt leaves the with-statement. Looked up on a transfer
+    already begun (after `__enter__`, or on `obs.begin`'s), it is the plain method.
+    """
+
+    def __init__(self, method: str) -> None:
+        self.method = method
+
+    def __get__(self, t: Transfer | None, owner: type | None = None) -> Callable[..., Any]:
+        function = getattr(Transfer, self.method)
+        if t is None:
+            return function
+        if t.state != NEW:
+            return MethodType(function, t)
+        return t._exit_releasing_when_dropped(function)
+
+
+class _Done:
+    """An awaitable already done: the async exit does its work when called, as the sync one (see _ExitOfWith:
+    the callable, not a coroutine awaited later, is what must die for the lock to be released)."""
+
+    __slots__ = ()
+
+    def __await__(self) -> Iterator[None]:
+        return iter(())
+
+
+_DONE = _Done()
 
 
 class Transfer:
@@ -78,6 +119,7 @@ class Transfer:
     skipped_result: Any = UNSET
     _held: Any = ()
     _release: Callable[[], Any] = staticmethod(tuple)  # nothing is held before acquire: a C-level no-op
+    _exit_watch: weakref.ref | None = None  # the `with` statement's exit callable, weakly (see _ExitOfWith)
     reported_moved: Blocks | None = None  # the blocks completion said moved (None: all of them)
     cache_info: Any = None  # what validation learned of `cache` (its layout), for the checks
 
@@ -171,8 +213,10 @@ class Transfer:
         route = self.route
         if active.ACTIVE.get() or route.lane is not None and route.lane.held_here():
             self._refuse_reentry()
-        held = self._held = deque()
-        self._release = one_shot_release(held)
+        watch = self._exit_watch
+        if watch is None or watch() is None:  # no live with-statement exit set up the undo steps
+            held = self._held = deque()
+            self._release = one_shot_release(held)
         self.state = WAITING
         if route.recorder.traces:
             self.span = route.recorder.start_span(self)
@@ -268,14 +312,30 @@ class Transfer:
     def __enter__(self) -> Transfer:
         return self.start(in_context=True)
 
-    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
-        """Completes (checking a writing transfer's destinations) or fails; safe in any thread or context."""
-        if exc is not None:
-            self._release()
-            self.fail(exc)
-        active.forget(self)
-        if exc is None:
-            self.complete()
+    __exit__ = _ExitOfWith("_exit")
+
+    def _exit_releasing_when_dropped(self, exit_function: Callable[..., Any]) -> Callable[..., Any]:
+        """The exit a `with` statement calls: its death releases whatever is still held (see _ExitOfWith)."""
+        held = self._held = deque()
+        self._release, release_when_dropped = one_shot_release_when_dropped(held)
+        exit_call = functools.partial(exit_function, self)
+        self._exit_watch = weakref.ref(exit_call, release_when_dropped)
+        return exit_call
+
+    def _exit(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        """Completes (checking a writing transfer's destinations) or fails; safe in any thread or context. An
+        asynchronous exception landing in here fails the transfer, as it fails a decorated call."""
+        try:
+            if exc is not None:
+                self._release()
+                self.fail(exc)
+            active.forget(self)
+            if exc is None:
+                self.complete()
+        except BaseException as interrupted:
+            self._release()  # first, and in C
+            self.fail(interrupted)
+            raise
 
     async def __aenter__(self) -> Transfer:
         self._refuse_reuse()
@@ -288,8 +348,12 @@ class Transfer:
             raise
         return self
 
-    async def __aexit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
-        self.__exit__(exc_type, exc, tb)
+    __aexit__ = _ExitOfWith("_aexit")
+
+    def _aexit(self, exc_type: Any, exc: BaseException | None, tb: Any) -> _Done:
+        """`_exit`, done now; what `async with` then awaits is already done."""
+        self._exit(exc_type, exc, tb)
+        return _DONE
 
     def _refuse_reuse(self) -> None:
         if self.state != NEW:

@@ -44,6 +44,8 @@ def block_id_list(path: str, block_ids: Any, what: str = "block ids") -> list[in
     elif hasattr(block_ids, "tolist") and hasattr(block_ids, "ndim"):  # NumPy, torch, Paddle
         if block_ids.ndim != 1:
             raise TransferRejected(path, f"{what} must be one-dimensional, got shape {tuple(block_ids.shape)}")
+        if getattr(block_ids, "is_meta", False):  # torch would raise NotImplementedError from tolist()
+            raise TransferRejected(path, f"{what} are a meta tensor: it holds no values to read")
         block_ids = block_ids.tolist()
     elif isinstance(block_ids, (str, bytes, Set, Mapping)) or not isinstance(block_ids, Sequence):
         raise TransferRejected(path, f"{what} must be a sequence of ints, got {type(block_ids).__name__}")

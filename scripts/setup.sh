@@ -19,8 +19,8 @@ if [ ! -x .venv/bin/python ]; then
 fi
 rm -f "$stamp"
 .venv/bin/python -m pip install --quiet --upgrade pip
-# torch 2.13.0 is pinned on its own first: on the project's machines this takes the CPU build on disk,
-# and any other spec would download a multi-GB CUDA build.
+# torch (kvobs's `torch` extra: the demo and the tests need it) is pinned to 2.13.0 on its own first: on the
+# project's machines this takes the CPU build on disk, and any other spec would download a multi-GB CUDA build.
 .venv/bin/python -m pip install --quiet "torch==2.13.0" numpy
 if [ -n "$extra" ]; then
   .venv/bin/python -m pip install --quiet -e ".[$extra]"

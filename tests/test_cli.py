@@ -18,7 +18,7 @@ from prometheus_client.openmetrics.parser import text_string_to_metric_families 
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvobs import semconv as sc
-from kvobs.cli import build_parser, main
+from kvobs.cli import build_parser, demo_metrics_port, main
 from kvobs.sim.report import EXTRA_FIELDS, NULLABLE_FIELDS, RUN_FIELDS, SCHEMA_VERSION
 from support import otlp_receiver
 
@@ -51,7 +51,7 @@ def test_parser_contract():
     defaults = build_parser().parse_args(["demo"])
     # --duration and --metrics-addr default to "not given": their meaning depends on --serve and --metrics-port
     assert (defaults.duration, defaults.seed, defaults.fault, defaults.serve) == (None, 0, [], False)
-    assert (defaults.metrics_port, defaults.metrics_addr) == (9464, None)
+    assert (defaults.metrics_port, defaults.metrics_addr) == (None, None)
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -68,7 +68,8 @@ def test_parser_contract():
     (["demo", "--otlp-endpoint", "http://h:99999"], "argument --otlp-endpoint: expected an http:// or https:// URL"),
     (["demo", "--serve", "--metrics-port", "0"], "--metrics-port 0 would serve nothing"),
     (["demo", "--serve", "--json"], "--json prints the comparison's summary; --serve prints none"),
-    (["demo", "--metrics-port", "0", "--metrics-addr", "::"], "--metrics-addr has no effect with --metrics-port 0"),
+    (["demo", "--metrics-port", "0", "--metrics-addr", "::"], "--metrics-addr has no effect when metrics are not"),
+    (["demo", "--metrics-addr", "::"], "--metrics-addr has no effect when metrics are not served"),
     ([], "the following arguments are required: COMMAND"),
 ])
 def test_bad_arguments_exit_2_with_a_message_naming_the_flag(bad, message, capsys):
@@ -149,6 +150,36 @@ def busy_port():
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         yield busy.getsockname()[1]
+
+
+def test_a_plain_demo_opens_no_port():
+    """Without --metrics-port (or --serve) the demo has no effect on the host beyond its output: its own
+    default port stays free, and nothing warns when something else holds it."""
+    with socket.socket() as held:
+        try:
+            held.bind(("127.0.0.1", 9464))
+        except OSError:
+            pytest.skip("port 9464 is in use here; the test needs to hold it")
+        held.listen()
+        proc = subprocess.Popen(kvobs_cmd("demo", "--duration", "1"), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=ENV)
+        try:
+            out, err = proc.communicate(timeout=90)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert proc.returncode == 0, err
+    assert "NaN blocks written to storage" in out
+    assert "metrics" not in err.lower(), err
+    assert build_parser().parse_args(["demo"]).metrics_port is None
+
+
+def test_serve_alone_serves_on_the_default_port():
+    args = build_parser().parse_args(["demo", "--serve"])
+    assert args.metrics_port is None  # --serve serves on 9464 unless --metrics-port says otherwise
+    assert demo_metrics_port(args) == 9464
+    assert demo_metrics_port(build_parser().parse_args(["demo"])) == 0
+    assert demo_metrics_port(build_parser().parse_args(["demo", "--metrics-port", "9100"])) == 9100
 
 
 def test_table_and_busy_metrics_port_is_only_a_warning():

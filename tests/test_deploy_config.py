@@ -8,6 +8,7 @@ tests/test_ops_integration.py.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import re
 import subprocess
@@ -17,6 +18,7 @@ from urllib.parse import urlparse
 
 import pytest
 
+from grafana_schema import dashboard_schema_problems
 from kvobs import semconv as sc
 from ops_support import (
     COMPOSE,
@@ -240,6 +242,96 @@ def test_committed_dashboards_match_the_generator() -> None:
     for name, build in gen.DASHBOARDS.items():
         assert (DASHBOARDS_DIR / name).read_text() == gen.render(build), (
             f"dashboards/{name} differs from tools/gen_dashboards.py: run `python tools/gen_dashboards.py`")
+
+
+def test_check_mode_fails_on_a_stale_dashboard(tmp_path: Path) -> None:
+    gen = load_generator()
+    for name, build in gen.DASHBOARDS.items():
+        (tmp_path / name).write_text(gen.render(build))
+    assert gen.main(["--check", "--out", str(tmp_path)]) == 0
+    stale = tmp_path / "kvobs-lock.json"
+    stale.write_text(stale.read_text().replace("Lock wait heatmap", "Lock wait heat map"))
+    assert gen.main(["--check", "--out", str(tmp_path)]) == 1
+
+
+@pytest.mark.parametrize("name", sorted(REQUIRED))
+def test_dashboard_matches_grafana_schema(name: str) -> None:
+    """Every key known to Grafana 11.6's schema (grafana-foundation-sdk's models), every value of its type."""
+    assert dashboard_schema_problems(dashboards()[name]) == []
+
+
+def set_key(path: str, value: object):
+    """A fault for BROKEN_DASHBOARDS: set `value` at a dotted path of the overview dashboard (ints index lists)."""
+    def fault(dash: dict) -> None:
+        *parents, last = [int(k) if k.isdigit() else k for k in path.split(".")]
+        node = dash
+        for key in parents:
+            node = node[key]
+        node[last] = value
+    return fault
+
+
+def drop_panel_type(dash: dict) -> None:
+    del dash["panels"][0]["type"]
+
+
+BROKEN_DASHBOARDS = {
+    # fault -> what the schema check must say about it
+    "misspelt legend option": (set_key("panels.0.options.legend.displayModee", "table"),
+                               ".panels[0].options.legend.displayModee: not in Grafana's schema"),
+    "misspelt query field": (set_key("panels.0.targets.0.legendFromat", "{{path}}"),
+                             ".panels[0].targets[0].legendFromat: not in Grafana's schema"),
+    "width as a string": (set_key("panels.0.gridPos.w", "12"), ".panels[0].grid_pos.w: '12' is not a int"),
+    "unknown tooltip mode": (set_key("panels.0.options.tooltip.mode", "multiple"),
+                             ".panels[0].options.tooltip.mode: 'multiple' is not one of"),
+    "variable refresh as a string": (set_key("templating.list.1.refresh", "2"),
+                                     ".templating.list_val[1].refresh: '2' is not one of [0, 1, 2]"),
+    "panel without a type": (drop_panel_type, "does not decode as a Grafana dashboard: KeyError('type')"),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(BROKEN_DASHBOARDS))
+def test_schema_check_finds_a_broken_dashboard(fault: str) -> None:
+    break_it, expected = BROKEN_DASHBOARDS[fault]
+    dash = copy.deepcopy(dashboards()["kvobs-overview.json"])
+    break_it(dash)
+    problems = dashboard_schema_problems(dash)
+    assert any(p.startswith(expected) for p in problems), problems
+
+
+def grid_problems(dash: dict) -> list[str]:
+    """Panels that leave Grafana's 24-column grid or cover part of another panel."""
+    problems = []
+    owner: dict[tuple[int, int], str] = {}
+    for panel in iter_panels(dash):
+        pos = panel["gridPos"]
+        if pos["x"] < 0 or pos["x"] + pos["w"] > 24:
+            problems.append(f"{panel['title']!r} leaves the 24-column grid: {pos}")
+        for x in range(pos["x"], pos["x"] + pos["w"]):
+            for y in range(pos["y"], pos["y"] + pos["h"]):
+                if (x, y) in owner:
+                    problems.append(f"{panel['title']!r} overlaps {owner[(x, y)]!r} at x={x}, y={y}")
+                    break
+                owner[(x, y)] = panel["title"]
+            else:
+                continue
+            break
+    return problems
+
+
+@pytest.mark.parametrize("name", sorted(REQUIRED))
+def test_panels_fit_the_grid_without_overlapping(name: str) -> None:
+    assert grid_problems(dashboards()[name]) == []
+
+
+def test_grid_check_finds_overlapping_and_overflowing_panels() -> None:
+    dash = copy.deepcopy(dashboards()["kvobs-overview.json"])
+    first, second = dash["panels"][:2]
+    second["gridPos"] = dict(first["gridPos"], x=first["gridPos"]["x"] + 1)
+    dash["panels"][-1]["gridPos"]["x"] = 20
+    problems = grid_problems(dash)
+    assert any(f"{second['title']!r} overlaps {first['title']!r}" in p for p in problems), problems
+    assert any(f"{dash['panels'][-1]['title']!r} leaves the 24-column grid" in p for p in problems), problems
 
 
 def test_dashboards_are_the_four_required() -> None:

@@ -16,7 +16,8 @@ SAMPLES = {
     "path": "prefetch", "reason": "why", "lock_name": "kv", "waited_s": 0.25, "holder": "forward",
     "result": CheckResult(40, nan_block_ids=(3,), inf_block_ids=tuple(range(10, 20))), "detail": "kvobs_x",
     "engine": "e0", "variable": "PROMETHEUS_MULTIPROC_DIR", "name": "a/b", "limit": "max_slots", "size": 8,
-    "hint": "finish tasks", "exporter": "OTLPSpanExporter", "spans": 3,
+    "hint": "finish tasks", "exporter": "OTLPSpanExporter", "spans": 3, "value": "maybe", "expected": "use 0 or 1",
+    "consequence": "not recorded", "in_use": 40,
 }
 ERROR_CLASSES = [cls for _, cls in inspect.getmembers(errors, inspect.isclass)
                  if issubclass(cls, errors.KVObsError) and cls.__module__ == errors.__name__]

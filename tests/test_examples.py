@@ -1,7 +1,13 @@
-"""Every script in examples/ runs; the OTLP example delivers its spans, and ends quickly when nothing listens."""
+"""Every script in examples/ runs; the OTLP example delivers its spans, and ends quickly when nothing listens.
+
+The engine examples run on the engine's real modules: an installed engine, else the wheel the tests cache,
+loaded by `engine_examples.py` around the example (the examples themselves never reach into tests/). Without
+the engine they say what they need and exit 0.
+"""
 
 from __future__ import annotations
 
+import ast
 import os
 import socket
 import subprocess
@@ -14,6 +20,9 @@ import pytest
 from support import otlp_receiver
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+RUN_ON_ENGINE = Path(__file__).resolve().parent / "engine_examples.py"
+ENGINE_EXAMPLES = {"vllm_connector.py": ("vllm", "skipped: needs vLLM 0.33"),
+                   "sglang_hicache.py": ("sglang", "skipped: needs SGLang 0.5.23")}
 
 
 def dead_endpoint() -> str:
@@ -27,9 +36,10 @@ def run_example(name: str, timeout: float = 180, **env: str) -> subprocess.Compl
     loaded machine, and a download of the wheel into the tests' cache the first time)."""
     full_env = {**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": dead_endpoint(), **env}
     full_env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-    return subprocess.run(
-        [sys.executable, str(EXAMPLES / name)], capture_output=True, text=True, timeout=timeout, env=full_env,
-    )
+    command = [sys.executable, str(EXAMPLES / name)]
+    if name in ENGINE_EXAMPLES:
+        command.insert(1, str(RUN_ON_ENGINE))
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=full_env)
 
 
 @pytest.mark.parametrize("script", sorted(p.name for p in EXAMPLES.glob("*.py")))
@@ -40,6 +50,32 @@ def test_every_example_runs(script):
         pytest.skip(proc.stderr.strip().splitlines()[-1])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("script", sorted(ENGINE_EXAMPLES))
+def test_engine_examples_say_what_they_need_and_exit_0_without_the_engine(script):
+    package, message = ENGINE_EXAMPLES[script]
+    hide = (f"import runpy, sys; sys.modules[{package!r}] = None; "
+            f"runpy.run_path({str(EXAMPLES / script)!r}, run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", hide], capture_output=True, text=True, timeout=120,
+                          cwd=EXAMPLES.parent)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.startswith(message), proc.stdout
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in EXAMPLES.glob("*.py")))
+def test_examples_import_nothing_from_the_test_tree(script):
+    imported = {
+        alias.name.split(".")[0]
+        for node in ast.walk(ast.parse((EXAMPLES / script).read_text()))
+        for alias in (node.names if isinstance(node, (ast.Import, ast.ImportFrom)) else ())
+    } | {
+        node.module.split(".")[0] for node in ast.walk(ast.parse((EXAMPLES / script).read_text()))
+        if isinstance(node, ast.ImportFrom) and node.module
+    }
+    assert not imported & {"upstream", "pytest", "support", "tests", "conftest"}
+    assert '"tests"' not in (EXAMPLES / script).read_text()
 
 
 def test_prefix_cache_manager_guards_both_paths():

@@ -11,6 +11,7 @@ import pytest
 
 import kvobs
 from kvobs import semconv as sc
+from kvobs.testing import capture
 from support import lock_is_free, lock_is_free_from_other_thread
 
 
@@ -339,3 +340,38 @@ def test_an_empty_list_of_blocks_claims_nothing(cap, tmp_path):
             pass
     whole.complete()
     assert lock.blocks_claimed() == {"shared": 0, "exclusive": 0}
+
+
+@pytest.mark.parametrize("entry", ["decorator", "with", "begin"])
+def test_a_block_id_past_a_block_lock_is_rejected_before_locking(tmp_path, entry):
+    """The BlockLock knows the cache's size: an id past it is a bad input like any other (TransferRejected,
+    counted `rejected`), refused before the lock is touched, with no `capacity=` given."""
+    lock = kvobs.BlockLock("range", 16, directory=tmp_path)
+    with capture(engine="range", lock=lock, integrity=None, lock_timeout=0.5) as captured:
+        obs = captured.observer
+
+        @obs.prefetch(block_ids="ids")
+        def prefetch(ids):
+            raise AssertionError("the call must not run")
+
+        with pytest.raises(kvobs.TransferRejected, match="block id 16 is out of range for a cache of 16 blocks"):
+            if entry == "decorator":
+                prefetch([3, 16])
+            elif entry == "with":
+                with obs.transfer("prefetch", block_ids=[3, 16]):
+                    raise AssertionError("the body must not run")
+            else:
+                obs.begin("prefetch", block_ids=[3, 16])
+        assert captured.value(sc.TRANSFERS_TOTAL, path="prefetch", outcome="rejected") == 1
+        assert captured.value(sc.TRANSFERS_TOTAL, path="prefetch", outcome="error") in (None, 0.0)
+        assert lock.blocks_claimed() == {"shared": 0, "exclusive": 0}
+        with obs.transfer("prefetch", block_ids=[15]):  # the last block is in range
+            pass
+    lock.close()
+
+
+def test_a_capacity_larger_than_the_block_lock_is_refused(tmp_path, registry):
+    lock = kvobs.BlockLock("small", 16, directory=tmp_path)
+    with pytest.raises(ValueError, match="capacity=32 .* 16 blocks"):
+        kvobs.KVObserver("big", registry=registry, lock=lock, capacity=32)
+    lock.close()

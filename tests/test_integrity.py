@@ -27,6 +27,7 @@ from kvobs.integrity import (
     kernel,
     torch_path,
 )
+from kvobs.integrity.ids import runs
 from kvobs.semconv import CHECK_CLEAN, CHECK_INF, CHECK_NAN
 
 FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
@@ -274,7 +275,7 @@ def test_fp8_torch_chunks_find_bad_values_at_every_chunk_edge(monkeypatch, dtype
     monkeypatch.setattr(torch_path, "FP8_CHUNK_ELEMENTS", 3 * per_block)  # 3 blocks per chunk
     num_blocks = 20
     for ids in (range(num_blocks), range(1, num_blocks), [0, 1, 2, 3, 7, 8, 9, 10, 11, 12, 19]):
-        chunks = torch_path._chunks(ones((num_blocks, *BLOCK), dtype), torch_path._coalesce(sorted(ids)), per_block)
+        chunks = torch_path._chunks(ones((num_blocks, *BLOCK), dtype), runs(sorted(ids)), per_block)
         firsts = {start for start, _ in chunks}
         lasts = {start + length - 1 for start, length in chunks}
         assert len(chunks) > 2 and all(length <= 3 for _, length in chunks)

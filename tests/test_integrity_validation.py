@@ -44,6 +44,11 @@ def test_meta_and_sparse_tensors():
         validate_cache(torch.ones(NUM_BLOCKS, 4).to_sparse_csr())
 
 
+def test_meta_tensor_block_ids_are_a_clear_error():
+    with pytest.raises(ValueError, match="block ids are a meta tensor: it holds no values to read"):
+        check_blocks(kv(), torch.tensor([1, 2], device="meta"))
+
+
 def test_block_dim_out_of_range_names_the_tensor_and_shape():
     with pytest.raises(ValueError, match=r"block_dim 3 out of range for cache\[0\]\[1\] of shape \(16, 4\)"):
         validate_cache([(kv(), torch.ones(NUM_BLOCKS, 4))], block_dim=3)

@@ -7,6 +7,7 @@ import fcntl
 import os
 import pickle
 import resource
+import shutil
 import stat
 import tempfile
 import uuid
@@ -105,6 +106,94 @@ def test_missing_base_directory_names_the_variable(tmp_path: Path, monkeypatch: 
         lock_directory()
     assert caught.value.filename == str(tmp_path / "absent")
     assert not (tmp_path / "absent").exists()
+
+
+def test_lock_dir_variable_naming_a_file_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    a_file = tmp_path / "not-a-directory"
+    a_file.write_text("")
+    monkeypatch.setenv("KVOBS_LOCK_DIR", str(a_file))
+    with pytest.raises(UnsafeLockFile, match="not a directory.*KVOBS_LOCK_DIR") as caught:
+        lock_directory()
+    assert caught.value.path == str(a_file)
+    assert a_file.read_text() == ""
+
+
+def _as_other_user(action: Callable[[], None]) -> int:
+    """Run `action` in a forked child that has become another, unprivileged user (a real one: the kernel
+    checks its permissions); the child's exit status: 0 when `action` returned, the errno it failed with."""
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            os.setgid(OTHER_UID)
+            os.setuid(OTHER_UID)
+            action()
+        except OSError as exc:
+            code = exc.errno or 100
+        except BaseException:
+            code = 101
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+@pytest.fixture
+def reachable() -> Iterator[Path]:
+    """A directory another user can reach (pytest's tmp_path sits in root's private 0700 directory)."""
+    path = Path(tempfile.mkdtemp(prefix="kvobs-test-", dir="/tmp"))
+    path.chmod(0o755)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path)
+
+
+@needs_root
+def test_base_directory_without_the_sticky_bit_is_refused(reachable: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """World-writable without the sticky bit, anyone may rename this user's lock directory away: the next
+    worker would create a fresh one and lock other files than the workers already running (split brain)."""
+    base = reachable / "shared"
+    base.mkdir()
+    base.chmod(0o777)
+    planted = base / f"kvobs-{os.geteuid()}"
+    planted.mkdir(mode=0o700)
+    # The attack is real: another user can move this user's directory away from such a base.
+    assert _as_other_user(lambda: os.rename(planted, base / "moved")) == 0
+    monkeypatch.setenv("KVOBS_LOCK_DIR", str(base))
+    with pytest.raises(UnsafeLockFile, match="writable by others .*without the sticky bit.*KVOBS_LOCK_DIR") as caught:
+        lock_directory()
+    assert caught.value.path == str(base)
+    assert sorted(p.name for p in base.iterdir()) == ["moved"]  # nothing created there
+    with pytest.raises(UnsafeLockFile, match="without the sticky bit"):
+        lock_directory(base)  # the same for a directory given explicitly
+
+
+@needs_root
+def test_sticky_base_directory_is_accepted_and_keeps_the_lock_directory(
+    reachable: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    base = reachable / "shared"
+    base.mkdir()
+    base.chmod(0o1777)  # like /tmp and /dev/shm
+    monkeypatch.setenv("KVOBS_LOCK_DIR", str(base))
+    path = lock_directory()
+    assert path == str(base / f"kvobs-{os.geteuid()}")
+    assert _as_other_user(lambda: os.rename(path, base / "moved")) == errno.EPERM
+    assert os.path.isdir(path)
+
+
+@needs_root
+def test_base_directory_owned_by_another_user_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its owner may rename anything in it, sticky bit or not."""
+    base = tmp_path / "theirs"
+    base.mkdir()
+    base.chmod(0o1777)
+    os.chown(base, OTHER_UID, OTHER_UID)
+    monkeypatch.setenv("KVOBS_LOCK_DIR", str(base))
+    with pytest.raises(UnsafeLockFile, match=f"owned by uid {OTHER_UID}") as caught:
+        lock_directory()
+    assert caught.value.path == str(base)
+    assert list(base.iterdir()) == []
 
 
 def test_explicit_directory_is_used_as_given(tmp_path: Path) -> None:

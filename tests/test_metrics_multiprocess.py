@@ -116,3 +116,43 @@ DROPPED = """
 
 def test_the_refresher_holds_observers_weakly_and_zeroes_their_series(tmp_path):
     assert run(tmp_path, DROPPED).split() == ["True", "2.0", "0", "0.0", "0.0", "0"]
+
+
+FORKED_SIGNALS = """
+    from kvobs.signals import EarlySignalBuffer
+
+    metrics = EngineMetrics(MetricFamilies.of(CollectorRegistry()), "signals", "cache")
+    buf = EarlySignalBuffer(metrics=metrics)
+    for slot in range(10):
+        buf.signal(slot, 0, 5)  # pending in the parent at the fork: the parent's, not the worker's
+    parent_reads, child_writes = os.pipe()
+    child_reads, parent_writes = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        buf.signal(100, 0, 5)
+        buf.signal(101, 0, 5)
+        Refresher.shared().refresh()
+        os.write(child_writes, b"w")
+        select.select([child_reads], [], [], 40)  # until the parent has scraped
+        os._exit(0)  # as multiprocessing's workers end: no atexit, no clean-up
+    os.read(parent_reads, 1)
+    for slot in range(10):
+        buf.finish(slot)
+    Refresher.shared().refresh()
+    print(value("kvobs_pending_signals", engine="signals"))
+    print(value("kvobs_pending_signal_oldest_age_seconds", engine="signals") > 0)
+    os.close(child_writes)
+    os.write(parent_writes, b"x")
+    os.read(parent_reads, 1)  # end of file: the worker has exited; not reaped yet, it is a zombie
+    wait_for(lambda: open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()[0] == "Z", "a zombie worker")
+    print(value("kvobs_pending_signals", engine="signals"))
+    print(value("kvobs_pending_signal_oldest_age_seconds", engine="signals"))
+    os.waitpid(pid, 0)
+    print(value("kvobs_pending_signals", engine="signals"))
+"""
+
+
+def test_a_forked_worker_reports_only_its_own_signals_and_a_dead_ones_gauges_clear(tmp_path):
+    """The worker's 2 pending signals while it lives (not the parent's 10 again); nothing once it has ended,
+    reaped or not, so the stale-signal alert cannot fire on a worker that is gone."""
+    assert run(tmp_path, FORKED_SIGNALS).split() == ["2.0", "True", "0.0", "0.0", "0.0"]

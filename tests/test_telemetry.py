@@ -198,7 +198,7 @@ HOLDER = textwrap.dedent("""
     @obs.write_back(block_ids="ids")
     def slow(ids):
         print("holding", flush=True)
-        time.sleep(float(sys.argv[1]))
+        sys.stdin.readline()  # until the test has scraped: a holder that has ended shows no held time
     slow([1])
 """)
 
@@ -207,7 +207,8 @@ def test_multiprocess_lock_held_gauge_is_refreshed_while_the_holder_is_stuck(tmp
     mp_dir = tmp_path / "prom"
     mp_dir.mkdir()
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(mp_dir)}
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, "4"], env=env, stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
     scrape = textwrap.dedent("""
         from kvobs.telemetry.exposition import scrape_registry
         print(scrape_registry().get_sample_value("kvobs_lock_held_seconds", {"engine": "mp-held", "lock": "thread"}))
@@ -225,6 +226,7 @@ def test_multiprocess_lock_held_gauge_is_refreshed_while_the_holder_is_stuck(tmp
         time.sleep(1.0)
         second = held()
     finally:
+        holder.stdin.close()
         holder.wait(timeout=60)
     assert 0 < first < second
 

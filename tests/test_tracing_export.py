@@ -17,6 +17,7 @@ import kvobs
 from kvobs.telemetry.families import MetricFamilies
 from kvobs.telemetry.export import CountingSpanExporter
 from kvobs.telemetry.tracing import export_timeout
+from support import otlp_receiver
 
 
 def closed_port() -> int:
@@ -110,3 +111,47 @@ def test_exit_with_a_dead_collector_is_bounded_by_the_export_timeout():
         proc.kill()
     assert proc.returncode == 0
     assert exit_s < timeout_s + 5, f"exit took {exit_s:.1f} s"
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+def test_flush_with_the_collector_down_is_bounded_honest_and_counts_every_dropped_span(monkeypatch, protocol):
+    """The real OTLP exporter against a closed port, its timeout 10 s: a burst larger than the queue drops spans,
+    each counted; force_flush(3000 ms) returns within its timeout, and False, since nothing was exported."""
+    monkeypatch.setenv("OTEL_BSP_MAX_QUEUE_SIZE", "64")
+    monkeypatch.setenv("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "16")
+    registry = CollectorRegistry()
+    MetricFamilies.of(registry)
+    provider = kvobs.configure_tracing("down", endpoint=f"http://127.0.0.1:{closed_port()}", protocol=protocol,
+                                       timeout=10, set_global=False)
+    before = export_errors(registry)
+    try:
+        tracer = provider.get_tracer("test")
+        for _ in range(1000):
+            tracer.start_span("kvobs.send").end()
+        dropped = export_errors(registry) - before
+        started = time.monotonic()
+        flushed = provider.force_flush(3000)
+        flush_s = time.monotonic() - started
+    finally:
+        provider.shutdown()
+    assert flushed is False
+    assert flush_s < 3.0 + 1.0, f"force_flush(3000) took {flush_s:.1f} s"
+    assert dropped >= 1000 - 64 - 16  # all but what the queue and the batch in flight hold
+
+
+def test_flush_to_a_live_receiver_exports_every_span_and_says_so():
+    registry = CollectorRegistry()
+    MetricFamilies.of(registry)
+    with otlp_receiver() as (receiver, port):
+        provider = kvobs.configure_tracing("up", endpoint=f"http://127.0.0.1:{port}", protocol="grpc", timeout=10,
+                                           set_global=False)
+        before = export_errors(registry)
+        try:
+            tracer = provider.get_tracer("test")
+            for _ in range(1500):
+                tracer.start_span("kvobs.send").end()
+            assert provider.force_flush(10_000) is True
+            assert len(receiver.spans) == 1500
+        finally:
+            provider.shutdown()
+    assert export_errors(registry) == before

@@ -30,6 +30,8 @@ BAD_CALLS = [
     ("bool id", dict(keys=None, ids=[True]), "block id True is a bool, not an int"),
     ("str ids", dict(keys=None, ids="12"), "block ids must be a sequence of ints, got str"),
     ("2-D tensor", dict(keys=None, ids=torch.zeros(2, 2, dtype=torch.int64)), "must be one-dimensional"),
+    ("meta tensor", dict(keys=None, ids=torch.tensor([1, 2], device="meta")),
+     "block ids are a meta tensor: it holds no values to read"),
     ("keys as a str", dict(keys="abc", ids=[1, 2, 3]), "keys must be a sequence of storage keys, got str"),
     ("async call", dict(keys=None, ids=[1], is_sync=False), "asynchronous transfers (is_sync=False) need"),
     ("non-bool sync", dict(keys=None, ids=[1], is_sync="yes"), "is_sync must be a bool"),
@@ -63,6 +65,20 @@ def test_bad_input_is_rejected_before_the_lock(cap, path, name, call, message):
         sc.TRANSFERS_TOTAL, {"engine": "v", "path": path, "outcome": "rejected"}) == 1
 
 
+@pytest.mark.parametrize("values", [dict(block_ids=torch.tensor([1, 2], device="meta")),
+                                    dict(requests={"r1": torch.tensor([1], device="meta")})])
+def test_meta_tensor_ids_given_to_a_transfer_are_rejected_and_counted(cap, values):
+    cache = torch.zeros(8, 4)
+    with pytest.raises(kvobs.TransferRejected, match="a meta tensor: it holds no values to read"):
+        with cap.observer.transfer("send", cache=cache, **values):
+            pass
+    with pytest.raises(kvobs.TransferRejected, match="a meta tensor"):
+        cap.observer.begin("prefetch", cache=cache, **values)
+    assert lock_is_free(cap.observer.lock)
+    assert cap.value(sc.TRANSFERS_TOTAL, path="send", outcome="rejected") == 1
+    assert cap.value(sc.TRANSFERS_TOTAL, path="prefetch", outcome="rejected") == 1
+
+
 def test_send_accepts_async_calls_by_default(cap):
     @cap.observer.send(block_ids="ids", sync="is_sync")
     def send(ids, is_sync=True):
@@ -94,7 +110,7 @@ def test_rejection_is_logged_with_the_reason(cap):
 
 
 BAD_CONFIG = [
-    (dict(lock_timeout=-1), ValueError, "lock_timeout must be a positive finite number"),
+    (dict(lock_timeout=-1), ValueError, "lock_timeout=-1 is not understood: use a positive finite number"),
     (dict(lock_timeout=float("inf")), ValueError, "lock_timeout"),
     (dict(lock_timeout=True), ValueError, "lock_timeout"),
     (dict(engine="has space"), ValueError, "engine='has space' is not a valid label value"),
@@ -124,6 +140,45 @@ def test_lock_timeout_from_environment(registry, monkeypatch):
     monkeypatch.setenv("KVOBS_LOCK_TIMEOUT", "soon")
     with pytest.raises(ValueError, match="KVOBS_LOCK_TIMEOUT='soon'"):
         kvobs.KVObserver("env2", registry=registry)
+
+
+@pytest.mark.parametrize("value", ["false", "0", "on", 1, 0.0])
+def test_enabled_argument_must_be_a_bool(registry, value):
+    with pytest.raises(kvobs.InvalidOption) as caught:
+        kvobs.KVObserver("on-off", registry=registry, enabled=value)
+    assert str(caught.value) == (
+        f"enabled={value!r} is not understood: use True, False, or None to read KVOBS_ENABLED")
+
+
+@pytest.mark.parametrize("text, telemetry", [
+    ("0", False), ("false", False), ("No", False), (" OFF ", False),
+    ("1", True), ("true", True), ("Yes", True), ("on", True), ("", True),
+])
+def test_enabled_from_environment_understood_values(registry, monkeypatch, text, telemetry):
+    monkeypatch.setenv("KVOBS_ENABLED", text)
+    assert kvobs.KVObserver("env-on-off", registry=registry).telemetry is telemetry
+
+
+@pytest.mark.parametrize("text", ["maybe", "2", "disabled", "tru"])
+def test_enabled_from_environment_not_understood_is_an_error_naming_the_variable(registry, monkeypatch, text):
+    monkeypatch.setenv("KVOBS_ENABLED", text)
+    with pytest.raises(kvobs.InvalidOption) as caught:
+        kvobs.KVObserver("env-maybe", registry=registry)
+    assert str(caught.value) == f"KVOBS_ENABLED={text!r} is not understood: use 1/true/yes/on or 0/false/no/off"
+
+
+@pytest.mark.parametrize("variable, option", [("KVOBS_LOCK_TIMEOUT", "lock_timeout"),
+                                              ("KVOBS_TRANSFER_DEADLINE", "deadline")])
+@pytest.mark.parametrize("text", ["-1", "0", "inf", "nan"])
+def test_bad_seconds_from_environment_name_the_variable(registry, monkeypatch, variable, option, text):
+    monkeypatch.setenv(variable, text)
+    with pytest.raises(kvobs.InvalidOption) as caught:
+        kvobs.KVObserver("env-seconds", registry=registry)
+    assert str(caught.value) == f"{variable}={text!r} is not understood: use a positive finite number of seconds"
+    monkeypatch.delenv(variable)
+    with pytest.raises(kvobs.InvalidOption) as caught:
+        kvobs.KVObserver("env-seconds", registry=registry, **{option: -1})
+    assert str(caught.value) == f"{option}=-1 is not understood: use a positive finite number of seconds"
 
 
 def test_unknown_path_for_transfer_and_extra_paths(registry):

@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
-"""Generate the kvobs Grafana dashboards (Grafana 11 JSON model) from plain Python dicts.
+"""Build the kvobs Grafana dashboards with Grafana's typed builder, grafana-foundation-sdk (Grafana 11.6 schema).
 
     python tools/gen_dashboards.py          # rewrite dashboards/*.json
-    python tools/gen_dashboards.py --check  # exit 1 if the committed JSON differs from the generator
+    python tools/gen_dashboards.py --check  # exit 1 if the committed JSON differs from what the builder makes
 
-Metric and label names come from kvobs.semconv, so a rename in the contract is followed here.
-tests/test_deploy_config.py fails when the committed JSON does not match this generator.
+The SDK's types follow Grafana's own schema (panel options, field config, Prometheus queries, variables), so a
+misspelt option is a Python error here instead of a setting Grafana silently drops. Metric and label names come
+from kvobs.semconv, so a rename in the contract is followed here. The SDK is in the `test` extra;
+tests/test_deploy_config.py fails when the committed JSON does not match this builder or Grafana's schema.
 """
 
 from __future__ import annotations
@@ -13,8 +15,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+
+from grafana_foundation_sdk.builders import common, dashboard, heatmap, prometheus, stat, timeseries
+from grafana_foundation_sdk.cog.builder import Builder
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models import common as common_model
+from grafana_foundation_sdk.models import dashboard as dashboard_model
+from grafana_foundation_sdk.models import heatmap as heatmap_model
+from grafana_foundation_sdk.models import prometheus as prometheus_model
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script from a checkout without installing kvobs
@@ -23,19 +33,25 @@ if str(ROOT) not in sys.path:  # run as a script from a checkout without install
 from kvobs import semconv as sc  # noqa: E402
 
 OUT_DIR = ROOT / "dashboards"
-SCHEMA_VERSION = 39  # Grafana 11.0 - 11.2; later 11.x migrate it on load
-DS = {"type": "prometheus", "uid": "${datasource}"}
+DATASOURCE = dashboard_model.DataSourceRef(type_val="prometheus", uid="${datasource}")
 TAG = "kvobs"
 
 # Selectors every panel applies: the template variables of the dashboard.
-ENGINE, INSTANCE = sc.LABEL_ENGINE, "instance"
-PATH, OUTCOME, LOCK, RESULT = sc.LABEL_PATH, sc.LABEL_OUTCOME, sc.LABEL_LOCK, sc.LABEL_RESULT
-HOLDER_PATH, MODE = sc.LABEL_HOLDER_PATH, sc.LABEL_MODE
+ENGINE = sc.LABEL_ENGINE
+INSTANCE = "instance"
+PATH = sc.LABEL_PATH
+OUTCOME = sc.LABEL_OUTCOME
+LOCK = sc.LABEL_LOCK
+RESULT = sc.LABEL_RESULT
+HOLDER_PATH = sc.LABEL_HOLDER_PATH
+MODE = sc.LABEL_MODE
 
 # Recording rules defined in deploy/prometheus/rules/kvobs-recording.yml that the dashboards read.
 REC_ERROR_RATIO = "kvobs:transfer_error_ratio:rate5m"
 REC_LOCK_WAIT_P99 = "kvobs:lock_wait_seconds:p99_5m"
 REC_LOCK_HOLD_P99 = "kvobs:lock_hold_seconds:p99_5m"
+
+Panel = Builder[dashboard_model.Panel]
 
 
 def sel(*matchers: str) -> str:
@@ -43,340 +59,286 @@ def sel(*matchers: str) -> str:
     return "{" + ",".join([f'{ENGINE}=~"$engine"', f'{INSTANCE}=~"$instance"', *matchers]) + "}"
 
 
-def rate(metric: str, *matchers: str, window: str = "$__rate_interval") -> str:
-    return f"rate({metric}{sel(*matchers)}[{window}])"
+def rate(metric: str, *matchers: str) -> str:
+    return f"rate({metric}{sel(*matchers)}[$__rate_interval])"
 
 
 def quantile(q: float, histogram: str, by: str, *matchers: str) -> str:
     return f"histogram_quantile({q}, sum by (le, {by}) ({rate(histogram + '_bucket', *matchers)}))"
 
 
-def target(expr: str, legend: str, ref: str = "A", *, exemplar: bool = False, fmt: str | None = None) -> dict:
-    t: dict[str, Any] = {"datasource": DS, "refId": ref, "expr": expr, "legendFormat": legend, "range": True}
-    if exemplar:
-        t["exemplar"] = True
-    if fmt:
-        t["format"] = fmt
-    return t
+def query(expr: str, legend: str, ref: str = "A", *, exemplar: bool = False) -> prometheus.Dataquery:
+    built = prometheus.Dataquery().datasource(DATASOURCE).ref_id(ref).expr(expr).legend_format(legend).range()
+    return built.exemplar(True) if exemplar else built
 
 
-class Layout:
-    """Places panels left to right in rows of 24 grid units and numbers them."""
-
-    def __init__(self) -> None:
-        self.x = self.y = self.row_h = 0
-        self.next_id = 1
-        self.panels: list[dict] = []
-
-    def add(self, panel: dict, w: int = 12, h: int = 8) -> None:
-        if self.x + w > 24:
-            self.x, self.y, self.row_h = 0, self.y + self.row_h, 0
-        panel["id"] = self.next_id
-        panel["gridPos"] = {"h": h, "w": w, "x": self.x, "y": self.y}
-        self.next_id += 1
-        self.x += w
-        self.row_h = max(self.row_h, h)
-        self.panels.append(panel)
+def thresholds(*steps: tuple[str, float | None]) -> dashboard.ThresholdsConfig:
+    return dashboard.ThresholdsConfig().mode(dashboard_model.ThresholdsMode.ABSOLUTE).steps(
+        [dashboard_model.Threshold(color=color, value=value) for color, value in steps])
 
 
-def timeseries(title: str, description: str, targets: list[dict], unit: str, *,
-               stack: bool = False, thresholds: list[dict] | None = None) -> dict:
-    custom: dict[str, Any] = {"drawStyle": "line", "lineWidth": 1, "fillOpacity": 10, "showPoints": "never",
-                              "spanNulls": False}
+def red_at(value: float) -> dashboard.ThresholdsConfig:
+    return thresholds(("green", None), ("red", value))
+
+
+def timeseries_panel(title: str, description: str, queries: list[prometheus.Dataquery], unit: str, *,
+                     stack: bool = False, alert_line: dashboard.ThresholdsConfig | None = None) -> timeseries.Panel:
+    panel = (
+        timeseries.Panel().title(title).description(description).datasource(DATASOURCE).targets(queries)
+        .unit(unit).draw_style(common_model.GraphDrawStyle.LINE).line_width(1).fill_opacity(10)
+        .show_points(common_model.VisibilityMode.NEVER).span_nulls(False)
+        .legend(common.VizLegendOptions().display_mode(common_model.LegendDisplayMode.TABLE)
+                .placement(common_model.LegendPlacement.BOTTOM).show_legend(True).calcs(["lastNotNull", "max"]))
+        .tooltip(common.VizTooltipOptions().mode(common_model.TooltipDisplayMode.MULTI)
+                 .sort(common_model.SortOrder.DESCENDING))
+    )
     if stack:
-        custom["stacking"] = {"mode": "normal", "group": "A"}
-    defaults: dict[str, Any] = {"unit": unit, "custom": custom}
-    if thresholds:
-        custom["thresholdsStyle"] = {"mode": "line+area"}
-        defaults["thresholds"] = {"mode": "absolute", "steps": thresholds}
-    return {
-        "type": "timeseries",
-        "title": title,
-        "description": description,
-        "datasource": DS,
-        "targets": targets,
-        "fieldConfig": {"defaults": defaults, "overrides": []},
-        "options": {
-            "legend": {"displayMode": "table", "placement": "bottom", "showLegend": True, "calcs": ["lastNotNull", "max"]},
-            "tooltip": {"mode": "multi", "sort": "desc"},
-        },
-    }
+        panel = panel.stacking(common.StackingConfig().mode(common_model.StackingMode.NORMAL).group("A"))
+    if alert_line:
+        panel = panel.thresholds(alert_line).thresholds_style(
+            common.GraphThresholdsStyleConfig().mode(common_model.GraphThresholdsStyleMode.LINE_AND_AREA))
+    return panel
 
 
-def stat(title: str, description: str, targets: list[dict], unit: str, steps: list[dict]) -> dict:
-    return {
-        "type": "stat",
-        "title": title,
-        "description": description,
-        "datasource": DS,
-        "targets": targets,
-        "fieldConfig": {
-            "defaults": {"unit": unit, "thresholds": {"mode": "absolute", "steps": steps}},
-            "overrides": [],
-        },
-        "options": {
-            "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
-            "colorMode": "background",
-            "graphMode": "area",
-            "textMode": "auto",
-            "justifyMode": "auto",
-            "orientation": "auto",
-        },
-    }
+def stat_panel(title: str, description: str, expr: str, legend: str, unit: str,
+               steps: dashboard.ThresholdsConfig) -> stat.Panel:
+    return (
+        stat.Panel().title(title).description(description).datasource(DATASOURCE)
+        .targets([query(expr, legend).format(prometheus_model.PromQueryFormat.TIME_SERIES)])
+        .unit(unit).thresholds(steps)
+        .reduce_options(common.ReduceDataOptions().calcs(["lastNotNull"]).fields("").values(False))
+        .color_mode(common_model.BigValueColorMode.BACKGROUND).graph_mode(common_model.BigValueGraphMode.AREA)
+        .text_mode(common_model.BigValueTextMode.AUTO).justify_mode(common_model.BigValueJustifyMode.AUTO)
+        .orientation(common_model.VizOrientation.AUTO)
+    )
 
 
-def heatmap(title: str, description: str, histogram: str, *matchers: str) -> dict:
-    expr = f"sum by (le) (increase({histogram}_bucket{sel(*matchers)}[$__rate_interval]))"
-    return {
-        "type": "heatmap",
-        "title": title,
-        "description": description,
-        "datasource": DS,
-        "targets": [target(expr, "{{le}}", fmt="heatmap") | {"exemplar": True}],
-        "fieldConfig": {"defaults": {"custom": {"scaleDistribution": {"type": "linear"}}}, "overrides": []},
-        "options": {
-            "calculate": False,
-            "cellGap": 1,
-            "color": {"mode": "scheme", "scheme": "Oranges", "scale": "exponential", "exponent": 0.5},
-            "exemplars": {"color": "rgba(255,0,255,0.7)"},
-            "yAxis": {"unit": "s", "axisPlacement": "left"},
-            "rowsFrame": {"layout": "auto"},
-            "tooltip": {"mode": "single", "yHistogram": True},
-            "legend": {"show": True},
-        },
-    }
+def heatmap_panel(title: str, description: str, histogram: str) -> heatmap.Panel:
+    expr = f"sum by (le) (increase({histogram}_bucket{sel()}[$__rate_interval]))"
+    return (
+        heatmap.Panel().title(title).description(description).datasource(DATASOURCE)
+        .targets([query(expr, "{{le}}", exemplar=True).format(prometheus_model.PromQueryFormat.HEATMAP)])
+        .calculate(False).cell_gap(1)
+        .color(heatmap.HeatmapColorOptions().mode(heatmap_model.HeatmapColorMode.SCHEME).scheme("Oranges")
+               .scale(heatmap_model.HeatmapColorScale.EXPONENTIAL).exponent(0.5).steps(64))
+        .exemplars_color("rgba(255,0,255,0.7)")
+        .y_axis(heatmap.YAxisConfig().unit("s").axis_placement(common_model.AxisPlacement.LEFT))
+        .rows_frame(heatmap.RowsHeatmapOptions().layout(common_model.HeatmapCellLayout.AUTO))
+        .mode(common_model.TooltipDisplayMode.SINGLE).show_y_histogram().show_legend()
+        .scale_distribution(common.ScaleDistributionConfig().type(common_model.ScaleDistribution.LINEAR))
+    )
 
 
-GREEN = {"color": "green", "value": None}
+def label_values_variable(name: str, selector: str) -> dashboard.QueryVariable:
+    """A multi-select variable over the values of label `name`, "All" by default."""
+    definition = f"label_values({selector}, {name})"
+    return (
+        dashboard.QueryVariable(name).label(name).datasource(DATASOURCE)
+        .query({"query": definition, "refId": name})
+        .refresh(dashboard_model.VariableRefresh.ON_TIME_RANGE_CHANGED).sort(dashboard_model.VariableSort.ALPHABETICAL_ASC)
+        .multi(True).include_all(True).all_value(".*")
+        .current(dashboard_model.VariableOption(text=["All"], value=["$__all"]))
+    )
 
 
-def red_at(v: float) -> dict:
-    return {"color": "red", "value": v}
-
-
-def dashboard(uid: str, title: str, description: str, layout: Layout) -> dict:
-    var_source = sc.TRANSFERS_TOTAL
-    return {
-        "uid": uid,
-        "title": title,
-        "description": description,
-        "tags": [TAG],
-        "schemaVersion": SCHEMA_VERSION,
-        "version": 1,
-        "editable": True,
-        "graphTooltip": 1,
-        "time": {"from": "now-1h", "to": "now"},
-        "refresh": "10s",
-        "timezone": "browser",
-        "fiscalYearStartMonth": 0,
-        "liveNow": False,
-        "annotations": {"list": [{
-            "builtIn": 1, "type": "dashboard", "name": "Annotations & Alerts", "enable": True, "hide": True,
-            "iconColor": "rgba(0, 211, 255, 1)", "datasource": {"type": "grafana", "uid": "-- Grafana --"},
-        }]},
-        "links": [{"type": "dashboards", "tags": [TAG], "asDropdown": False, "title": "kvobs dashboards",
-                   "includeVars": True, "keepTime": True}],
-        "templating": {"list": [
-            {
-                "name": "datasource", "label": "Prometheus", "type": "datasource", "query": "prometheus",
-                "current": {"text": "Prometheus", "value": "prometheus"}, "hide": 0, "refresh": 1,
-                "regex": "", "options": [],
-            },
-            {
-                "name": "engine", "label": "engine", "type": "query", "datasource": DS,
-                "query": {"query": f"label_values({var_source}, {ENGINE})", "refId": "engine"},
-                "definition": f"label_values({var_source}, {ENGINE})",
-                "refresh": 2, "multi": True, "includeAll": True, "allValue": ".*",
-                "current": {"text": ["All"], "value": ["$__all"]}, "sort": 1, "hide": 0, "options": [],
-            },
-            {
-                "name": "instance", "label": "instance", "type": "query", "datasource": DS,
-                "query": {"query": f'label_values({var_source}{{{ENGINE}=~"$engine"}}, {INSTANCE})',
-                          "refId": "instance"},
-                "definition": f'label_values({var_source}{{{ENGINE}=~"$engine"}}, {INSTANCE})',
-                "refresh": 2, "multi": True, "includeAll": True, "allValue": ".*",
-                "current": {"text": ["All"], "value": ["$__all"]}, "sort": 1, "hide": 0, "options": [],
-            },
-        ]},
-        "panels": layout.panels,
-    }
+def build_dashboard(uid: str, title: str, description: str, panels: list[tuple[Panel, int, int]]) -> dict:
+    """Panels as (builder, width, height), laid out left to right by the SDK and numbered from 1."""
+    board = (
+        dashboard.Dashboard(title).uid(uid).description(description).tags([TAG]).version(1).editable()
+        .tooltip(dashboard_model.DashboardCursorSync.CROSSHAIR).time("now-1h", "now").refresh("10s")
+        .timezone("browser")
+        .annotation(dashboard.AnnotationQuery().name("Annotations & Alerts").built_in(1).enable(True).hide(True)
+                    .icon_color("rgba(0, 211, 255, 1)").type("dashboard")
+                    .datasource(dashboard_model.DataSourceRef(type_val="grafana", uid="-- Grafana --")))
+        .link(dashboard.DashboardLink("kvobs dashboards").type(dashboard_model.DashboardLinkType.DASHBOARDS)
+              .tags([TAG]).as_dropdown(False).include_vars(True).keep_time(True))
+        .with_variable(dashboard.DatasourceVariable("datasource").label("Prometheus").type("prometheus")
+                       .current(dashboard_model.VariableOption(text="Prometheus", value="prometheus")))
+        .with_variable(label_values_variable(ENGINE, sc.TRANSFERS_TOTAL))
+        .with_variable(label_values_variable(INSTANCE, f'{sc.TRANSFERS_TOTAL}{{{ENGINE}=~"$engine"}}'))
+    )
+    for number, (panel, width, height) in enumerate(panels, start=1):
+        board = board.with_panel(panel.id(number).span(width).height(height))
+    return json.loads(json.dumps(board.build(), cls=JSONEncoder))
 
 
 def overview() -> dict:
-    lay = Layout()
     not_ok = f'{OUTCOME}!="{sc.OUTCOME_OK}"'
-    lay.add(timeseries(
-        "Transfers per second by path and outcome",
-        "Guarded transfers ended per second. outcome: ok, error (the transfer or its completion failed), "
-        "timeout (the cache lock was not acquired in time), rejected (refused before the copy: bad arguments, "
-        "or corrupt blocks left out by the integrity policy), abandoned (never completed before its deadline).",
-        [target(f"sum by ({PATH}, {OUTCOME}) ({rate(sc.TRANSFERS_TOTAL)})", "{{path}} {{outcome}}")],
-        "ops", stack=True), w=12)
-    lay.add(timeseries(
-        "Transfer duration p50 / p99 by path",
-        "Wall time of a guarded transfer call (validation, lock wait, transfer, integrity check). Exemplar "
-        "dots link to the trace of that transfer in Tempo.",
-        [target(quantile(0.5, sc.TRANSFER_DURATION_SECONDS, PATH), "p50 {{path}}", "A", exemplar=True),
-         target(quantile(0.99, sc.TRANSFER_DURATION_SECONDS, PATH), "p99 {{path}}", "B", exemplar=True)],
-        "s"), w=12)
-    lay.add(timeseries(
-        "Open transfers by path",
-        "Transfers begun and not yet completed: holding their lock while the copy runs, in this process or "
-        "elsewhere (a thread pool, a later engine step, an acknowledgement). A value that never returns to 0 "
-        "is a completion that is not coming.",
-        [target(f"sum by ({PATH}) ({sc.TRANSFERS_IN_FLIGHT}{sel()})", "{{path}}")], "short"), w=8)
-    lay.add(timeseries(
-        "Oldest open transfer by path",
-        "Age of the oldest transfer still waiting for its completion. It saw-tooths with normal copies; at the "
-        "deadline (KVOBS_TRANSFER_DEADLINE, default 60s) the transfer is abandoned and "
-        "KvobsTransferNeverCompleted fires.",
-        [target(f"max by ({PATH}) ({sc.TRANSFER_OLDEST_OPEN_AGE_SECONDS}{sel()})", "{{path}}")], "s",
-        thresholds=[GREEN, red_at(60)]), w=8)
-    lay.add(timeseries(
-        "Errors per second by path and outcome",
-        "Transfers that did not end ok: error, timeout, rejected and abandoned, per path.",
-        [target(f"sum by ({PATH}, {OUTCOME}) ({rate(sc.TRANSFERS_TOTAL, not_ok)})", "{{path}} {{outcome}}")],
-        "ops", stack=True), w=8)
-    lay.add(timeseries(
-        "Transfer error ratio (5m) by path",
-        "Share of transfers ending in error, timeout or abandonment over 5 minutes (recording rule "
-        f"{REC_ERROR_RATIO}); KvobsTransferErrorRatioHigh fires above 5% for 5m.",
-        [target(f"max by ({PATH}) ({REC_ERROR_RATIO}{sel()})", "{{path}}")], "percentunit",
-        thresholds=[GREEN, red_at(0.05)]), w=8)
-    lay.add(timeseries(
-        "Blocks per second by path",
-        "KV blocks moved by guarded transfers.",
-        [target(f"sum by ({PATH}) ({rate(sc.TRANSFER_BLOCKS_TOTAL)})", "{{path}}")], "short"), w=12)
-    lay.add(timeseries(
-        "Bytes per second by path",
-        "Bytes moved by guarded transfers.",
-        [target(f"sum by ({PATH}) ({rate(sc.TRANSFER_BYTES_TOTAL)})", "{{path}}")], "Bps"), w=12)
-    return dashboard("kvobs-overview", "kvobs / Overview",
-                     "KV-cache transfers on the prefetch, write_back and send paths.", lay)
+    return build_dashboard("kvobs-overview", "kvobs / Overview",
+                           "KV-cache transfers on the prefetch, write_back and send paths.", [
+        (timeseries_panel(
+            "Transfers per second by path and outcome",
+            "Guarded transfers ended per second. outcome: ok, error (the transfer or its completion failed), "
+            "timeout (the cache lock was not acquired in time), rejected (refused before the copy: bad "
+            "arguments, or corrupt blocks left out by the integrity policy), abandoned (never completed before "
+            "its deadline).",
+            [query(f"sum by ({PATH}, {OUTCOME}) ({rate(sc.TRANSFERS_TOTAL)})", "{{path}} {{outcome}}")],
+            "ops", stack=True), 12, 8),
+        (timeseries_panel(
+            "Transfer duration p50 / p99 by path",
+            "Wall time of a guarded transfer call (validation, lock wait, transfer, integrity check). Exemplar "
+            "dots link to the trace of that transfer in Tempo.",
+            [query(quantile(0.5, sc.TRANSFER_DURATION_SECONDS, PATH), "p50 {{path}}", "A", exemplar=True),
+             query(quantile(0.99, sc.TRANSFER_DURATION_SECONDS, PATH), "p99 {{path}}", "B", exemplar=True)],
+            "s"), 12, 8),
+        (timeseries_panel(
+            "Open transfers by path",
+            "Transfers begun and not yet completed: holding their lock while the copy runs, in this process or "
+            "elsewhere (a thread pool, a later engine step, an acknowledgement). A value that never returns to 0 "
+            "is a completion that is not coming.",
+            [query(f"sum by ({PATH}) ({sc.TRANSFERS_IN_FLIGHT}{sel()})", "{{path}}")], "short"), 6, 8),
+        (timeseries_panel(
+            "Oldest open transfer by path",
+            "Age of the oldest transfer still waiting for its completion. It saw-tooths with normal copies; at "
+            "the deadline (KVOBS_TRANSFER_DEADLINE, default 60s) the transfer is abandoned and "
+            "KvobsTransferNeverCompleted fires.",
+            [query(f"max by ({PATH}) ({sc.TRANSFER_OLDEST_OPEN_AGE_SECONDS}{sel()})", "{{path}}")], "s",
+            alert_line=red_at(60)), 6, 8),
+        (timeseries_panel(
+            "Errors per second by path and outcome",
+            "Transfers that did not end ok: error, timeout, rejected and abandoned, per path.",
+            [query(f"sum by ({PATH}, {OUTCOME}) ({rate(sc.TRANSFERS_TOTAL, not_ok)})", "{{path}} {{outcome}}")],
+            "ops", stack=True), 6, 8),
+        (timeseries_panel(
+            "Transfer error ratio (5m) by path",
+            "Share of transfers ending in error, timeout or abandonment over 5 minutes (recording rule "
+            f"{REC_ERROR_RATIO}); KvobsTransferErrorRatioHigh fires above 5% for 5m.",
+            [query(f"max by ({PATH}) ({REC_ERROR_RATIO}{sel()})", "{{path}}")], "percentunit",
+            alert_line=red_at(0.05)), 6, 8),
+        (timeseries_panel(
+            "Blocks per second by path",
+            "KV blocks moved by guarded transfers.",
+            [query(f"sum by ({PATH}) ({rate(sc.TRANSFER_BLOCKS_TOTAL)})", "{{path}}")], "short"), 12, 8),
+        (timeseries_panel(
+            "Bytes per second by path",
+            "Bytes moved by guarded transfers.",
+            [query(f"sum by ({PATH}) ({rate(sc.TRANSFER_BYTES_TOTAL)})", "{{path}}")], "Bps"), 12, 8),
+    ])
 
 
 def lock() -> dict:
-    lay = Layout()
-    lay.add(timeseries(
-        "Lock wait p50 / p99 by lock and path",
-        "Time spent waiting for the cache lock before a transfer. High waits mean forward passes and "
-        "transfers serialise behind each other. Exemplars link to traces.",
-        [target(quantile(0.5, sc.LOCK_WAIT_SECONDS, f"{LOCK}, {PATH}"), "p50 {{lock}} {{path}}", "A", exemplar=True),
-         target(quantile(0.99, sc.LOCK_WAIT_SECONDS, f"{LOCK}, {PATH}"), "p99 {{lock}} {{path}}", "B", exemplar=True)],
-        "s"), w=12)
-    lay.add(timeseries(
-        "Lock hold p50 / p99 by lock and path",
-        "Time the cache lock was held per transfer. Exemplars link to traces.",
-        [target(quantile(0.5, sc.LOCK_HOLD_SECONDS, f"{LOCK}, {PATH}"), "p50 {{lock}} {{path}}", "A", exemplar=True),
-         target(quantile(0.99, sc.LOCK_HOLD_SECONDS, f"{LOCK}, {PATH}"), "p99 {{lock}} {{path}}", "B", exemplar=True)],
-        "s"), w=12)
-    lay.add(heatmap("Lock wait heatmap", "Distribution of lock waits over time (all locks and paths selected).",
-                    sc.LOCK_WAIT_SECONDS), w=12)
-    lay.add(heatmap("Lock hold heatmap", "Distribution of lock holds over time (all locks and paths selected).",
-                    sc.LOCK_HOLD_SECONDS), w=12)
-    lay.add(timeseries(
-        "Lock timeouts per second by lock and path",
-        "Acquisitions that gave up after the lock timeout; each is a transfer with outcome=timeout. "
-        "KvobsLockTimeouts fires on any.",
-        [target(f"sum by ({LOCK}, {PATH}) ({rate(sc.LOCK_TIMEOUTS_TOTAL)})", "{{lock}} {{path}}")], "ops"), w=8)
-    lay.add(timeseries(
-        "Time held by the current holder",
-        "How long the current holder has held each lock; 0 when free. A line that keeps rising is a hung "
-        "transfer or a leaked lock (KvobsLockHeldTooLong: above 5s for 1m).",
-        [target(f"max by ({INSTANCE}, {LOCK}) ({sc.LOCK_HELD_SECONDS}{sel()})", "{{instance}} {{lock}}")], "s",
-        thresholds=[GREEN, red_at(5)]), w=8)
-    lay.add(timeseries(
-        "Lock wait p99 (5m, as alerted)",
-        f"Recording rule {REC_LOCK_WAIT_P99} (and {REC_LOCK_HOLD_P99}); KvobsLockWaitHigh fires when the wait "
-        "p99 stays above 100ms for 10m.",
-        [target(f"max by ({LOCK}, {PATH}) ({REC_LOCK_WAIT_P99}{sel()})", "wait {{lock}} {{path}}", "A"),
-         target(f"max by ({LOCK}, {PATH}) ({REC_LOCK_HOLD_P99}{sel()})", "hold {{lock}} {{path}}", "B")],
-        "s", thresholds=[GREEN, red_at(0.1)]), w=8)
-    lay.add(timeseries(
-        "Lock conflicts per second by path and holder path",
-        "Acquisitions that had to wait, by the path that waited and the path holding what it wanted (with a "
-        "block lock: the holder of some of the wanted blocks). A forward pass waiting on write-backs shows as "
-        "path=forward, holder_path=write_back.",
-        [target(f"sum by ({PATH}, {HOLDER_PATH}) ({rate(sc.LOCK_CONFLICTS_TOTAL)})",
-                "{{path}} waited for {{holder_path}}")], "ops", stack=True), w=12)
-    lay.add(timeseries(
-        "Blocks claimed now by mode",
-        "KV blocks claimed on the block lock at scrape time: shared (transfers reading blocks) and exclusive "
-        "(prefetches and forward passes writing them). Always 0 for a whole-cache lock.",
-        [target(f"sum by ({LOCK}, {MODE}) ({sc.LOCK_BLOCKS_CLAIMED}{sel()})", "{{lock}} {{mode}}")], "short"),
-        w=12)
-    return dashboard("kvobs-lock", "kvobs / Cache lock",
-                     "The cross-process cache lock around storage prefetch/write-back and the forward pass.", lay)
+    lock_path = f"{LOCK}, {PATH}"
+    return build_dashboard("kvobs-lock", "kvobs / Cache lock",
+                           "The cross-process cache lock around storage prefetch/write-back and the forward pass.", [
+        (timeseries_panel(
+            "Lock wait p50 / p99 by lock and path",
+            "Time spent waiting for the cache lock before a transfer. High waits mean forward passes and "
+            "transfers serialise behind each other. Exemplars link to traces.",
+            [query(quantile(0.5, sc.LOCK_WAIT_SECONDS, lock_path), "p50 {{lock}} {{path}}", "A", exemplar=True),
+             query(quantile(0.99, sc.LOCK_WAIT_SECONDS, lock_path), "p99 {{lock}} {{path}}", "B", exemplar=True)],
+            "s"), 12, 8),
+        (timeseries_panel(
+            "Lock hold p50 / p99 by lock and path",
+            "Time the cache lock was held per transfer. Exemplars link to traces.",
+            [query(quantile(0.5, sc.LOCK_HOLD_SECONDS, lock_path), "p50 {{lock}} {{path}}", "A", exemplar=True),
+             query(quantile(0.99, sc.LOCK_HOLD_SECONDS, lock_path), "p99 {{lock}} {{path}}", "B", exemplar=True)],
+            "s"), 12, 8),
+        (heatmap_panel("Lock wait heatmap", "Distribution of lock waits over time (all locks and paths selected).",
+                       sc.LOCK_WAIT_SECONDS), 12, 8),
+        (heatmap_panel("Lock hold heatmap", "Distribution of lock holds over time (all locks and paths selected).",
+                       sc.LOCK_HOLD_SECONDS), 12, 8),
+        (timeseries_panel(
+            "Lock timeouts per second by lock and path",
+            "Acquisitions that gave up after the lock timeout; each is a transfer with outcome=timeout. "
+            "KvobsLockTimeouts fires on any.",
+            [query(f"sum by ({lock_path}) ({rate(sc.LOCK_TIMEOUTS_TOTAL)})", "{{lock}} {{path}}")], "ops"), 8, 8),
+        (timeseries_panel(
+            "Time held by the current holder",
+            "How long the current holder has held each lock; 0 when free. A line that keeps rising is a hung "
+            "transfer or a leaked lock (KvobsLockHeldTooLong: above 5s for 1m).",
+            [query(f"max by ({INSTANCE}, {LOCK}) ({sc.LOCK_HELD_SECONDS}{sel()})", "{{instance}} {{lock}}")], "s",
+            alert_line=red_at(5)), 8, 8),
+        (timeseries_panel(
+            "Lock wait p99 (5m, as alerted)",
+            f"Recording rule {REC_LOCK_WAIT_P99} (and {REC_LOCK_HOLD_P99}); KvobsLockWaitHigh fires when the "
+            "wait p99 stays above 100ms for 10m.",
+            [query(f"max by ({lock_path}) ({REC_LOCK_WAIT_P99}{sel()})", "wait {{lock}} {{path}}", "A"),
+             query(f"max by ({lock_path}) ({REC_LOCK_HOLD_P99}{sel()})", "hold {{lock}} {{path}}", "B")],
+            "s", alert_line=red_at(0.1)), 8, 8),
+        (timeseries_panel(
+            "Lock conflicts per second by path and holder path",
+            "Acquisitions that had to wait, by the path that waited and the path holding what it wanted (with a "
+            "block lock: the holder of some of the wanted blocks). A forward pass waiting on write-backs shows "
+            "as path=forward, holder_path=write_back.",
+            [query(f"sum by ({PATH}, {HOLDER_PATH}) ({rate(sc.LOCK_CONFLICTS_TOTAL)})",
+                   "{{path}} waited for {{holder_path}}")], "ops", stack=True), 12, 8),
+        (timeseries_panel(
+            "Blocks claimed now by mode",
+            "KV blocks claimed on the block lock at scrape time: shared (transfers reading blocks) and "
+            "exclusive (prefetches and forward passes writing them). Always 0 for a whole-cache lock.",
+            [query(f"sum by ({LOCK}, {MODE}) ({sc.LOCK_BLOCKS_CLAIMED}{sel()})", "{{lock}} {{mode}}")], "short"),
+         12, 8),
+    ])
 
 
 def integrity() -> dict:
-    lay = Layout()
     bad = f'{RESULT}=~"{sc.CHECK_NAN}|{sc.CHECK_INF}"'
     clean = f'{RESULT}="{sc.CHECK_CLEAN}"'
-    lay.add(stat(
-        "Checks that found NaN/Inf (range)",
-        "Integrity checks with result nan or inf over the dashboard time range. Anything above 0 pages "
-        "(KvobsNaNDetected).",
-        [target(f"sum(increase({sc.NAN_CHECKS_TOTAL}{sel(bad)}[$__range]))", "bad checks", fmt="time_series")],
-        "short", [GREEN, red_at(1)]), w=6, h=6)
-    lay.add(stat(
-        "Bad blocks (range)",
-        "KV blocks found holding NaN or Inf over the dashboard time range.",
-        [target(f"sum(increase({sc.NAN_BLOCKS_TOTAL}{sel()}[$__range]))", "bad blocks")],
-        "short", [GREEN, red_at(1)]), w=6, h=6)
-    lay.add(stat(
-        "Clean check share (range)",
-        "Share of integrity checks that were clean.",
-        [target(f"sum(increase({sc.NAN_CHECKS_TOTAL}{sel(clean)}[$__range])) / "
-                f"sum(increase({sc.NAN_CHECKS_TOTAL}{sel()}[$__range]))", "clean")],
-        "percentunit", [{"color": "red", "value": None}, {"color": "green", "value": 1}]), w=12, h=6)
-    lay.add(timeseries(
-        "NaN/Inf checks per second by path and result",
-        "Integrity checks of exactly the blocks each transfer touched, by result (clean, nan, inf).",
-        [target(f"sum by ({PATH}, {RESULT}) ({rate(sc.NAN_CHECKS_TOTAL)})", "{{path}} {{result}}")], "ops"), w=12)
-    lay.add(timeseries(
-        "Bad blocks per second by path",
-        "KV blocks found holding NaN or Inf, per path. Which blocks: see the span event "
-        f"{sc.EVENT_INTEGRITY_BAD_BLOCKS} ({sc.ATTR_BAD_BLOCK_IDS}) in Tempo.",
-        [target(f"sum by ({PATH}) ({rate(sc.NAN_BLOCKS_TOTAL)})", "{{path}}")], "short",
-        thresholds=[GREEN, red_at(1e-9)]), w=12)
-    return dashboard("kvobs-integrity", "kvobs / KV integrity",
-                     "NaN/Inf checks of KV blocks at the transfer boundary.", lay)
+    return build_dashboard("kvobs-integrity", "kvobs / KV integrity",
+                           "NaN/Inf checks of KV blocks at the transfer boundary.", [
+        (stat_panel(
+            "Checks that found NaN/Inf (range)",
+            "Integrity checks with result nan or inf over the dashboard time range. Anything above 0 pages "
+            "(KvobsNaNDetected).",
+            f"sum(increase({sc.NAN_CHECKS_TOTAL}{sel(bad)}[$__range]))", "bad checks", "short", red_at(1)), 6, 6),
+        (stat_panel(
+            "Bad blocks (range)",
+            "KV blocks found holding NaN or Inf over the dashboard time range.",
+            f"sum(increase({sc.NAN_BLOCKS_TOTAL}{sel()}[$__range]))", "bad blocks", "short", red_at(1)), 6, 6),
+        (stat_panel(
+            "Clean check share (range)",
+            "Share of integrity checks that were clean.",
+            f"sum(increase({sc.NAN_CHECKS_TOTAL}{sel(clean)}[$__range])) / "
+            f"sum(increase({sc.NAN_CHECKS_TOTAL}{sel()}[$__range]))", "clean", "percentunit",
+            thresholds(("red", None), ("green", 1))), 12, 6),
+        (timeseries_panel(
+            "NaN/Inf checks per second by path and result",
+            "Integrity checks of exactly the blocks each transfer touched, by result (clean, nan, inf).",
+            [query(f"sum by ({PATH}, {RESULT}) ({rate(sc.NAN_CHECKS_TOTAL)})", "{{path}} {{result}}")], "ops"),
+         12, 8),
+        (timeseries_panel(
+            "Bad blocks per second by path",
+            "KV blocks found holding NaN or Inf, per path. Which blocks: see the span event "
+            f"{sc.EVENT_INTEGRITY_BAD_BLOCKS} ({sc.ATTR_BAD_BLOCK_IDS}) in Tempo.",
+            [query(f"sum by ({PATH}) ({rate(sc.NAN_BLOCKS_TOTAL)})", "{{path}}")], "short",
+            alert_line=red_at(1e-9)), 12, 8),
+    ])
 
 
 def signals() -> dict:
-    lay = Layout()
-    lay.add(timeseries(
-        "Pending early signals",
-        "Early layer0 signals buffered because their transfer task was not registered yet.",
-        [target(f"sum by ({INSTANCE}, {ENGINE}) ({sc.PENDING_SIGNALS}{sel()})", "{{instance}} {{engine}}")],
-        "short"), w=12)
-    lay.add(timeseries(
-        "Oldest pending signal age",
-        "Age of the oldest buffered signal, fresh at scrape time. A line that keeps rising is a signal whose "
-        "task never registered: a request that will hang (KvobsStalePendingSignal: above 5s for 15s).",
-        [target(f"max by ({INSTANCE}, {ENGINE}) ({sc.PENDING_SIGNAL_OLDEST_AGE_SECONDS}{sel()})",
-                "{{instance}} {{engine}}")], "s", thresholds=[GREEN, red_at(5)]), w=12)
-    lay.add(timeseries(
-        "Signal outcomes per second",
-        "ready (task already registered), buffered, recovered (buffered then matched), dropped_invalid, "
-        "dropped_finished, expired, overflow, refused (a registration beyond max_slots, or a step record "
-        "full: finish() or end_step() missing).",
-        [target(f"sum by ({OUTCOME}) ({rate(sc.SIGNALS_TOTAL)})", "{{outcome}}")], "ops", stack=True), w=12)
-    lay.add(timeseries(
-        "Time buffered p50 / p99",
-        "How long an early signal waited before its task registered and it was recovered. Exemplars link to "
-        "traces.",
-        [target(f"histogram_quantile(0.5, sum by (le) ({rate(sc.SIGNAL_BUFFERED_SECONDS + '_bucket')}))", "p50",
-                "A", exemplar=True),
-         target(f"histogram_quantile(0.99, sum by (le) ({rate(sc.SIGNAL_BUFFERED_SECONDS + '_bucket')}))", "p99",
-                "B", exemplar=True)], "s"), w=12)
-    lay.add(heatmap("Time buffered heatmap", "Distribution of time buffered.", sc.SIGNAL_BUFFERED_SECONDS), w=24)
-    return dashboard("kvobs-signals", "kvobs / Early signals",
-                     "Layer0 signals that arrive before their transfer task is registered.", lay)
+    buffered = sc.SIGNAL_BUFFERED_SECONDS + "_bucket"
+    return build_dashboard("kvobs-signals", "kvobs / Early signals",
+                           "Layer0 signals that arrive before their transfer task is registered.", [
+        (timeseries_panel(
+            "Pending early signals",
+            "Early layer0 signals buffered because their transfer task was not registered yet.",
+            [query(f"sum by ({INSTANCE}, {ENGINE}) ({sc.PENDING_SIGNALS}{sel()})", "{{instance}} {{engine}}")],
+            "short"), 12, 8),
+        (timeseries_panel(
+            "Oldest pending signal age",
+            "Age of the oldest buffered signal, fresh at scrape time. A line that keeps rising is a signal whose "
+            "task never registered: a request that will hang (KvobsStalePendingSignal: above 5s for 15s).",
+            [query(f"max by ({INSTANCE}, {ENGINE}) ({sc.PENDING_SIGNAL_OLDEST_AGE_SECONDS}{sel()})",
+                   "{{instance}} {{engine}}")], "s", alert_line=red_at(5)), 12, 8),
+        (timeseries_panel(
+            "Signal outcomes per second",
+            "ready (task already registered), buffered, recovered (buffered then matched), dropped_invalid, "
+            "dropped_finished, expired, overflow, refused (a registration beyond max_slots, or a step record "
+            "full: finish() or end_step() missing).",
+            [query(f"sum by ({OUTCOME}) ({rate(sc.SIGNALS_TOTAL)})", "{{outcome}}")], "ops", stack=True), 12, 8),
+        (timeseries_panel(
+            "Time buffered p50 / p99",
+            "How long an early signal waited before its task registered and it was recovered. Exemplars link "
+            "to traces.",
+            [query(f"histogram_quantile(0.5, sum by (le) ({rate(buffered)}))", "p50", "A", exemplar=True),
+             query(f"histogram_quantile(0.99, sum by (le) ({rate(buffered)}))", "p99", "B", exemplar=True)],
+            "s"), 12, 8),
+        (heatmap_panel("Time buffered heatmap", "Distribution of time buffered.", sc.SIGNAL_BUFFERED_SECONDS),
+         24, 8),
+    ])
 
 
-DASHBOARDS = {
+DASHBOARDS: dict[str, Callable[[], dict]] = {
     "kvobs-overview.json": overview,
     "kvobs-lock.json": lock,
     "kvobs-integrity.json": integrity,
@@ -384,13 +346,13 @@ DASHBOARDS = {
 }
 
 
-def render(build) -> str:
+def render(build: Callable[[], dict]) -> str:
     return json.dumps(build(), indent=2, sort_keys=True) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="fail if dashboards/*.json differ from the generator")
+    parser.add_argument("--check", action="store_true", help="fail if dashboards/*.json differ from the builder")
     parser.add_argument("--out", type=Path, default=OUT_DIR)
     args = parser.parse_args(argv)
     stale = []

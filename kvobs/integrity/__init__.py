@@ -1,7 +1,8 @@
 """kvobs.integrity: NaN/Inf checks over exactly the KV blocks a transfer touched, at memory speed.
 
 `validate_cache` once (a clear error for a cache that cannot be checked), then `check_blocks` per transfer.
-Importing this package does not import torch, NumPy or numba; the first check does.
+Importing this package does not import torch, NumPy or numba; the first check does (torch only where it
+is installed: without it, NumPy reads CPU caches).
 """
 
 from kvobs.errors import CorruptKVError
@@ -22,7 +23,7 @@ __all__ = [
 
 
 def __getattr__(name: str) -> object:
-    """`validate_cache` and `ValidatedCache` live with torch: imported on first use."""
+    """`validate_cache` and `ValidatedCache` import NumPy (and torch where installed): imported on first use."""
     if name in ("validate_cache", "ValidatedCache"):
         from kvobs.integrity import layout
 

@@ -2,8 +2,9 @@
 
 Each tensor is read by the compiled kernel where it can (CPU tensors, numba installed: memory speed on
 scattered blocks, see `kvobs.integrity.kernel`), else by the pure-torch path (GPU tensors, no numba; see
-`kvobs.integrity.torch_path`). Both are exact: a block is NaN if any of its values in any tensor is NaN,
-else Inf if any is infinite (NaN wins, so the two lists are disjoint).
+`kvobs.integrity.torch_path`), or by NumPy where torch is not installed (`kvobs.integrity.numpy_path`). All
+are exact: a block is NaN if any of its values in any tensor is NaN, else Inf if any is infinite (NaN wins,
+so the two lists are disjoint).
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ def check_blocks(
     every call. block_dim: the block dimension of a raw cache (default 0); for a validated cache it must be
     None or the one it was validated with. block_ids: any iterable of ints, or an int array (NumPy, torch,
     Paddle); duplicates are checked once; empty -> clean result with 0 blocks. method: "auto" (the kernel
-    where it applies, torch elsewhere), "kernel" (ValueError if some tensor cannot use it) or "torch".
+    where it applies, torch elsewhere, NumPy where torch is not installed), "kernel" (ValueError if some
+    tensor cannot use it, naming the extra to install where that is why) or "torch" (ValueError without
+    torch).
     """
     from kvobs.integrity.layout import validate_cache
 
@@ -47,10 +50,11 @@ def check_blocks(
 
 def _bad_blocks(validated: ValidatedCache, ids: np.ndarray, method: str) -> tuple[set[int], set[int]]:
     """(NaN ids, non-finite ids) over all tensors, each read by the method chosen for it."""
-    import kvobs.integrity.threads as threads
-    import kvobs.integrity.torch_path as torch_path
+    import numpy as np
 
-    by_kernel, by_torch = validated.split(method)
+    import kvobs.integrity.threads as threads
+
+    by_kernel, by_library = validated.split(method)
     nan: set[int] = set()
     bad: set[int] = set()
     if by_kernel:
@@ -58,7 +62,17 @@ def _bad_blocks(validated: ValidatedCache, ids: np.ndarray, method: str) -> tupl
         if found:
             nan.update(ids[flags == 2].tolist())
             bad.update(ids[flags != 0].tolist())
+    by_numpy = [t for t in by_library if isinstance(t, np.ndarray)]
+    by_torch = [t for t in by_library if not isinstance(t, np.ndarray)]
+    if by_numpy:
+        import kvobs.integrity.numpy_path as numpy_path
+
+        numpy_nan, numpy_bad = numpy_path.bad_blocks(by_numpy, ids.tolist(), validated.block_dim)
+        nan |= numpy_nan
+        bad |= numpy_bad
     if by_torch:
+        import kvobs.integrity.torch_path as torch_path  # imports torch: only for torch tensors
+
         torch_nan, torch_bad = torch_path.bad_blocks(by_torch, ids.tolist(), validated.block_dim)
         nan |= torch_nan
         bad |= torch_bad

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 import kvobs.integrity.kernel as kernel
+from kvobs.integrity.arrays import from_dlpack, installed_torch, is_torch_tensor
 
 _PLAIN = {int}  # exactly int: bool (a subclass) is rejected, NumPy ints take the general path
 
@@ -71,16 +72,29 @@ def _distinct_ints(block_ids: Any) -> set[int]:
 
 def _array_to_list(block_ids: Any) -> list[Any] | None:
     """The ids of a torch tensor, NumPy array or any DLPack array (Paddle, CuPy) as a flat list; else None."""
-    import torch
-
+    if not isinstance(block_ids, np.ndarray) and not is_torch_tensor(block_ids):
+        if not hasattr(block_ids, "__dlpack__"):
+            return None
+        block_ids = from_dlpack(block_ids, "block ids")
     if isinstance(block_ids, np.ndarray):
         if block_ids.dtype.kind not in "iu":
             raise TypeError(f"block ids must be integers, got a {block_ids.dtype} array")
         return block_ids.reshape(-1).tolist()
-    if not isinstance(block_ids, torch.Tensor):
-        if not hasattr(block_ids, "__dlpack__"):
-            return None
-        block_ids = torch.from_dlpack(block_ids)
-    if block_ids.is_floating_point() or block_ids.is_complex() or block_ids.dtype == torch.bool:
+    if block_ids.is_meta:  # torch would raise NotImplementedError from tolist()
+        raise ValueError("block ids are a meta tensor: it holds no values to read")
+    if block_ids.is_floating_point() or block_ids.is_complex() or block_ids.dtype == installed_torch().bool:
         raise TypeError(f"block ids must be integers, got a {block_ids.dtype} tensor")
     return block_ids.reshape(-1).tolist()
+
+
+def runs(ids: list[int]) -> list[tuple[int, int]]:
+    """Sorted distinct ids (at least one) -> (start, length) runs of consecutive ids."""
+    found: list[tuple[int, int]] = []
+    start = prev = ids[0]
+    for i in ids[1:]:
+        if i != prev + 1:
+            found.append((start, prev - start + 1))
+            start = i
+        prev = i
+    found.append((start, prev - start + 1))
+    return found

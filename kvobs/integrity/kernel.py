@@ -6,11 +6,12 @@ per block, the largest key `(bits & mask) ^ flip` (see `kvobs.integrity.bits`): 
 NaN and Inf told apart in the same pass, no temporary, no float arithmetic, so it runs at memory speed
 whether the blocks are adjacent or scattered.
 
-The kernel needs numba (an optional dependency). Without it, or when compiling fails, `plan()` returns None
-and the caller uses the pure-torch path; `unavailable_reason()` says why. Compiled code is cached on disk
-where numba finds a writable cache directory (NUMBA_CACHE_DIR, else next to the module, else the user's
-cache directory); where none is writable it is compiled in memory, once per process. The compiled function
-releases the GIL and holds no state: concurrent checks from many threads are safe.
+The kernel needs numba (the `fast` extra). Without it, or when compiling fails, `plan()` returns None
+and the caller uses the pure-torch path (the NumPy one where torch is not installed);
+`unavailable_reason()` says why. Compiled code is cached on disk where numba finds a writable cache
+directory (NUMBA_CACHE_DIR, else next to the module, else the user's cache directory); where none is
+writable it is compiled in memory, once per process. The compiled function releases the GIL and holds no
+state: concurrent checks from many threads are safe.
 """
 
 from __future__ import annotations
@@ -87,10 +88,14 @@ def unavailable_reason() -> str | None:
 def plan(tensor: Any, block_dim: int) -> KernelPlan | None:
     """A plan for a CPU tensor the kernel can read efficiently; None sends the tensor to the torch path."""
     bits = non_finite_bits(tensor.dtype)
-    if tensor.device.type != "cpu" or bits is None or tensor.numel() == 0 or _load() is None:
+    on_numpy = isinstance(tensor, np.ndarray)
+    if (not on_numpy and tensor.device.type != "cpu") or bits is None or _load() is None:
         return None
-    shape, strides = tensor.shape, tensor.stride()
-    dims = [k for k in range(tensor.dim()) if k != block_dim and shape[k] != 1]
+    strides = _element_strides(tensor) if on_numpy else tensor.stride()
+    if strides is None or (tensor.size if on_numpy else tensor.numel()) == 0:
+        return None
+    shape = tensor.shape
+    dims = [k for k in range(tensor.ndim) if k != block_dim and shape[k] != 1]
     length = 1
     while dims and strides[dims[-1]] == length:  # the contiguous tail of a block: one piece
         length *= shape[dims.pop()]
@@ -113,8 +118,21 @@ def plan(tensor: Any, block_dim: int) -> KernelPlan | None:
     return KernelPlan(words, strides[block_dim], segments, length, bits, rule, test, block_bytes, entry)
 
 
+def _element_strides(array: np.ndarray) -> tuple[int, ...] | None:
+    """A NumPy array's strides in elements, as torch gives them; None where the kernel cannot walk them
+    (negative, or not a whole number of elements)."""
+    if any(stride < 0 or stride % array.itemsize for stride in array.strides):
+        return None
+    return tuple(stride // array.itemsize for stride in array.strides)
+
+
 def _words(tensor: Any, width: int) -> np.ndarray | None:
     """The tensor's memory span, first element to last, as read-only unsigned words (None: not viewable)."""
+    if isinstance(tensor, np.ndarray):
+        span = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, _element_strides(tensor)))
+        as_words = tensor.view(_WORDS[width])  # same item size: a view of the same memory, any strides
+        # Non-negative strides: the first element is the lowest address, so the span starts there.
+        return np.lib.stride_tricks.as_strided(as_words, (span,), (width,), writeable=False)
     import torch
 
     try:
@@ -137,6 +155,11 @@ def _load() -> Any:
         if _compiled is None and _unavailable is None:
             try:
                 _compiled = _compile()
+            except ModuleNotFoundError as exc:
+                if exc.name != "numba":
+                    raise
+                _unavailable = "numba is not installed: pip install 'kvobs[fast]'"
+                _log.info("kvobs integrity kernel unavailable, reading caches without it: %s", _unavailable)
             except Exception as exc:  # noqa: BLE001 - any numba failure means: use the torch path
                 _unavailable = f"{type(exc).__name__}: {exc}"
                 _log.info("kvobs integrity kernel unavailable, using the torch path: %s", _unavailable)

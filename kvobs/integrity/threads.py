@@ -1,7 +1,8 @@
 """Spread one kernel check over several threads, so a large check reads memory as fast as torch does.
 
 Why: one core cannot saturate memory bandwidth; torch's own reductions use all of its intra-op threads
-(`torch.get_num_threads()`), and so does this, for checks of at least `MIN_BYTES_PER_THREAD` per thread.
+(`torch.get_num_threads()`; without torch, the CPUs this process may use), and so does this, for checks of
+at least `MIN_BYTES_PER_THREAD` per thread.
 The threads share the work dynamically: each takes the next chunk of blocks from a per-tensor counter
 (see `kernel_numba.block_flags`), so a thread that gets its core late (another process, or torch's own
 OpenMP threads still spinning after the last torch op) only leaves more chunks to the others instead of
@@ -26,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from kvobs.integrity.arrays import installed_torch
 from kvobs.integrity.kernel import KernelPlan
 
 MIN_BYTES_PER_THREAD = 8 << 20
@@ -38,12 +40,10 @@ _started = 0
 def mark(plans: list[KernelPlan], ids: np.ndarray) -> tuple[np.ndarray, int]:
     """(flags, found): per id (int64, distinct, in range), 2 if that block holds a NaN in any plan's tensor,
     else 1 if an Inf, else 0; `found` is 0 when every flag is 0."""
-    import torch
-
     counters = np.zeros(len(plans), dtype=np.int64)  # per plan: the next chunk of ids to claim
     flags = np.zeros(ids.shape[0], dtype=np.uint8)  # shared: the kernel raises flags atomically
     per_block = sum(plan.block_bytes for plan in plans)
-    helpers = min(torch.get_num_threads(), ids.shape[0] * per_block // MIN_BYTES_PER_THREAD) - 1
+    helpers = min(_reading_threads(), ids.shape[0] * per_block // MIN_BYTES_PER_THREAD) - 1
     outcomes: list[int | BaseException] = []
     claims = [threading.Lock() for _ in range(helpers)]
     if claims:
@@ -61,6 +61,13 @@ def mark(plans: list[KernelPlan], ids: np.ndarray) -> tuple[np.ndarray, int]:
             raise outcome
         found += outcome
     return flags, found
+
+
+def _reading_threads() -> int:
+    """Threads a large check may use: as many as torch's own reductions (its intra-op threads), or, where
+    torch is not installed, the CPUs this process may run on."""
+    torch = installed_torch()
+    return torch.get_num_threads() if torch is not None else len(os.sched_getaffinity(0))
 
 
 def _mark_share(plans: list[KernelPlan], ids: np.ndarray, flags: np.ndarray, counters: np.ndarray) -> int:

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from kvobs.integrity.ids import runs as coalesce
+
 FP8_CHUNK_ELEMENTS = 1 << 24  # 16 Mi elements: a 32 MiB fp16 temporary per chunk
 
 _UPCAST = {
@@ -42,7 +44,7 @@ _UPCAST = {
 
 def bad_blocks(tensors: Sequence[torch.Tensor], ids: list[int], block_dim: int) -> tuple[set[int], set[int]]:
     """(NaN block ids, non-finite block ids) among `ids` (sorted, distinct, in range) of these tensors."""
-    runs = _coalesce(ids)
+    runs = coalesce(ids)
     by_device: dict[Any, tuple[list[torch.Tensor], list[int], list[tuple[torch.Tensor, int, int]]]] = {}
     for t in tensors:
         if t.numel() == 0:
@@ -125,16 +127,3 @@ def _readable(view: torch.Tensor) -> torch.Tensor:
     """The view itself, or its exact upcast for fp8 (torch has no fp8 min/max)."""
     wide = _UPCAST.get(view.dtype)
     return view if wide is None else view.to(wide)
-
-
-def _coalesce(ids: list[int]) -> list[tuple[int, int]]:
-    """Sorted distinct ids -> (start, length) runs of consecutive ids."""
-    runs: list[tuple[int, int]] = []
-    start = prev = ids[0]
-    for i in ids[1:]:
-        if i != prev + 1:
-            runs.append((start, prev - start + 1))
-            start = i
-        prev = i
-    runs.append((start, prev - start + 1))
-    return runs

@@ -121,9 +121,15 @@ class SignalBufferCore:
         raise NotImplementedError
 
     def _after_fork_in_child(self) -> None:
-        """A lock another thread held at the fork would stay held in the child forever: a new one."""
+        """A lock another thread held at the fork would stay held in the child forever: a new one. The early
+        signals pending at the fork arrived in the parent, which recovers, drops and reports them; the child
+        starts without them (its gauges would show them a second time, and their age would grow there until
+        the stale-signal alert fired)."""
         self._lock = threading.Lock()
         self._held = held(self._lock)
+        self._pending.clear()
+        self._evicted = 0
+        self._expire_at = EXPIRY_DUE
         self._tally.renew(self._lock)
 
     # -- reads ------------------------------------------------------------------------------------------------

@@ -19,7 +19,6 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-from bisect import bisect_right
 from collections.abc import Callable, Iterable, Sized
 from typing import Any
 
@@ -30,6 +29,7 @@ from kvobs.signals.records import Decision
 from kvobs.telemetry.engine_metrics import EngineMetrics
 from kvobs.telemetry.failures import STAGE_LOGGING, STAGE_METRICS, STAGE_TRACING, TelemetryFailures
 from kvobs.telemetry.logs import level_number
+from kvobs.telemetry.multiprocess import histogram_adder
 from kvobs.telemetry.ratelimit import RateLimitedLog
 
 FLUSH_AT = 512  # recovered waits noted before a flush is forced: bounds the memory between two scrapes
@@ -67,7 +67,7 @@ class Tally:
         self._pending_then = len(pending)  # at the last flush
         self._failed = failed
         self._counters = [metrics.signals[o] for o in sc.SIGNAL_OUTCOMES] if metrics is not None else None
-        self._add_waits = _histogram_adder(metrics.signal_buffered) if metrics is not None else None
+        self._add_waits = histogram_adder(metrics.signal_buffered) if metrics is not None else None
 
     def dropped(self, outcome: int, n: int = 1) -> None:
         """`n` pending signals dropped with `outcome` (under the buffer's lock)."""
@@ -108,44 +108,6 @@ class Tally:
     def _clear(self) -> None:
         self.counts[:] = _NONE_COUNTED
         self.waits.clear()
-
-
-def _histogram_adder(child: Any) -> Callable[[list[float]], None]:
-    """Add many observations to a histogram child at once.
-
-    kvobs's own histogram cell has `observe_many`. A prometheus_client child (multiprocess mode) keeps
-    non-cumulative `_buckets` for its `_upper_bounds` and a `_sum` (stable since 0.4): one inc per touched
-    bucket and one for the sum, instead of two locked incs per value. Any other child gets one `observe()`
-    per value.
-    """
-
-    def observe_each(values: list[float]) -> None:
-        for value in values:
-            child.observe(value)
-
-    try:
-        observe_many = getattr(child, "observe_many", None)
-        if callable(observe_many):
-            return observe_many
-        bounds, buckets, total = (getattr(child, name, None) for name in ("_upper_bounds", "_buckets", "_sum"))
-        fast = (isinstance(bounds, list) and isinstance(buckets, list) and len(bounds) == len(buckets)
-                and all(callable(getattr(v, "inc", None)) for v in (*buckets, total)))
-    except Exception:  # noqa: BLE001 - an odd child gets the public path; its failures are counted there
-        fast = False
-    if not fast:
-        return observe_each
-
-    def add(values: list[float]) -> None:
-        values = sorted(values)
-        below = 0  # values in the buckets before this one: a value goes into the first bucket whose bound >= it
-        for index, bound in enumerate(bounds):
-            upto = bisect_right(values, bound, below)
-            if upto > below:
-                buckets[index].inc(upto - below)
-                below = upto
-        total.inc(sum(values))
-
-    return add
 
 
 class SignalReporter:

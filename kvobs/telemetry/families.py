@@ -29,8 +29,8 @@ from kvobs.forks import renewed_after_fork
 from kvobs.telemetry.accumulators import CounterFamily, GaugeCell, GaugeFamily, HistogramFamily
 from kvobs.telemetry.buffers import ThreadBuffers
 from kvobs.telemetry.failures import TELEMETRY_ERRORS_HELP
-from kvobs.telemetry.multiprocess import check_multiprocess_dir, multiprocess_enabled
-from kvobs.telemetry.process_failures import show_process_failures
+from kvobs.telemetry.multiprocess import FILE_SPACE, ReservedMetric, check_multiprocess_dir, multiprocess_enabled
+from kvobs.telemetry.process_failures import process_failures, show_process_failures
 from kvobs.telemetry.refresher import Refresher
 
 __all__ = ["FAMILY_SPECS", "Failed", "MetricFamilies", "MultiprocessGaugeFamily"]
@@ -73,7 +73,8 @@ class MultiprocessGaugeFamily(GaugeFamily):
 
     def __init__(self, name: str, documentation: str, labelnames: tuple[str, ...], mode: str) -> None:
         super().__init__(name, documentation, labelnames)
-        self.gauge = Gauge(name, documentation, labelnames, registry=None, multiprocess_mode=mode)
+        self.gauge = ReservedMetric(Gauge(name, documentation, labelnames, registry=None, multiprocess_mode=mode),
+                                    "gauge", name, documentation, labelnames, mode)
         self._watched: weakref.WeakSet[GaugeCell] = weakref.WeakSet()
 
     def watch(self, cell: GaugeCell, labelvalues: tuple[str, ...], failed: Failed) -> None:
@@ -82,10 +83,10 @@ class MultiprocessGaugeFamily(GaugeFamily):
             Refresher.shared().watch(cell, self.gauge.labels(*labelvalues), failed)
 
     def describe(self) -> list[Metric]:
-        return list(self.gauge.describe())
+        return self.gauge.describe()
 
     def collect(self) -> list[Metric]:
-        return list(self.gauge.collect())
+        return self.gauge.collect()
 
 
 class MetricFamilies:
@@ -102,6 +103,7 @@ class MetricFamilies:
         self.multiprocess = multiprocess_enabled()
         if self.multiprocess:
             check_multiprocess_dir()
+            process_failures()  # its counters' series first, so a file found full later can still count it
         self.lock = threading.Lock()  # every accumulator and buffer; drains and scrapes take it
         self.failure_lock = threading.Lock()  # the telemetry-error counters, counted from inside drains
         self.ordered: list[Any] = []
@@ -125,9 +127,11 @@ class MetricFamilies:
         labelnames = sc.METRIC_LABELS[name]
         if self.multiprocess:
             if kind == "counter":
-                return Counter(name.removesuffix("_total"), documentation, labelnames, registry=None)
+                counter = Counter(name.removesuffix("_total"), documentation, labelnames, registry=None)
+                return ReservedMetric(counter, kind, name, documentation, labelnames)
             if kind == "histogram":
-                return Histogram(name, documentation, labelnames, buckets=self.buckets, registry=None)
+                histogram = Histogram(name, documentation, labelnames, buckets=self.buckets, registry=None)
+                return ReservedMetric(histogram, kind, name, documentation, labelnames, buckets=self.buckets)
             return MultiprocessGaugeFamily(name, documentation, labelnames, mode)
         if kind == "counter":
             lock = self.failure_lock if name == sc.TELEMETRY_ERRORS_TOTAL else self.lock
@@ -229,6 +233,8 @@ class _Collector:
     def collect(self) -> Iterator[Metric]:
         families = self._families
         if families.multiprocess:
+            if not FILE_SPACE.writable():  # reading a value rewrites a forked child's files: they need space
+                return
             for family in families.ordered:
                 yield from family.collect()
             return

@@ -1,8 +1,9 @@
-"""Telemetry failures that belong to the process, not to one observer: span export.
+"""Telemetry failures that belong to the process, not to one observer: span export, and metric files that
+could not get their space (multiprocess mode).
 
-One tracer provider serves every observer of a process, so its export failures are counted once, under
-engine label "", and shown as kvobs_telemetry_errors_total{engine="", stage="export"} on every registry
-holding kvobs's families (in multiprocess mode, through a prometheus_client child of its own).
+One tracer provider serves every observer of a process, and one set of metric files, so their failures are
+counted once, under engine label "", and shown as kvobs_telemetry_errors_total{engine="", stage=...} on every
+registry holding kvobs's families (in multiprocess mode, through prometheus_client children of their own).
 """
 
 from __future__ import annotations
@@ -16,12 +17,12 @@ from prometheus_client import Counter
 
 from kvobs import semconv as sc
 from kvobs.telemetry.accumulators import CounterCell, CounterFamily
-from kvobs.telemetry.failures import STAGE_EXPORT, TELEMETRY_ERRORS_HELP, TelemetryFailures
-from kvobs.telemetry.multiprocess import check_multiprocess_dir, multiprocess_enabled
+from kvobs.telemetry.failures import STAGE_EXPORT, STAGE_METRICS, TELEMETRY_ERRORS_HELP, TelemetryFailures
+from kvobs.telemetry.multiprocess import FILE_SPACE, ReservedMetric, check_multiprocess_dir, multiprocess_enabled
 
 __all__ = ["process_failures", "show_process_failures"]
 
-_KEY = ("", STAGE_EXPORT)  # label values (engine, stage)
+_STAGES = (STAGE_EXPORT, STAGE_METRICS)  # metric files fail only in multiprocess mode
 
 
 class _ProcessFailures:
@@ -30,14 +31,16 @@ class _ProcessFailures:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.reporter: TelemetryFailures | None = None
-        self.counter: Any = None
+        self.counters: dict[str, Any] = {}
         self.families: weakref.WeakSet[CounterFamily] = weakref.WeakSet()
 
     def get(self) -> TelemetryFailures:
         with self.lock:
             if self.reporter is None:
-                self.counter = _new_counter()
-                self.reporter = TelemetryFailures("", {STAGE_EXPORT: self.counter})
+                self.counters = _new_counters()
+                self.reporter = TelemetryFailures("", self.counters)
+                if multiprocess_enabled():
+                    FILE_SPACE.count_in(self.counters[STAGE_METRICS])
             reporter, families = self.reporter, list(self.families)
         for family in families:
             self.show_on(family)
@@ -48,23 +51,26 @@ class _ProcessFailures:
         if not isinstance(family, CounterFamily):
             return  # multiprocess mode: the count has a child of its own in the files
         self.families.add(family)
-        counter = self.counter
-        if isinstance(counter, CounterCell):
-            family.show(_KEY, counter)
+        for stage, counter in list(self.counters.items()):
+            if isinstance(counter, CounterCell):
+                family.show(("", stage), counter)
 
     def after_fork_in_child(self) -> None:
         self.lock = threading.Lock()
-        if isinstance(self.counter, CounterCell):
-            self.counter.lock = threading.Lock()
+        for counter in self.counters.values():
+            if isinstance(counter, CounterCell):
+                counter.lock = threading.Lock()
 
 
-def _new_counter() -> Any:
+def _new_counters() -> dict[str, Any]:
     if not multiprocess_enabled():
-        return CounterCell(threading.Lock())
+        return {STAGE_EXPORT: CounterCell(threading.Lock())}
     check_multiprocess_dir()
     name = sc.TELEMETRY_ERRORS_TOTAL
-    family = Counter(name.removesuffix("_total"), TELEMETRY_ERRORS_HELP, sc.METRIC_LABELS[name], registry=None)
-    return family.labels(*_KEY)
+    labelnames = sc.METRIC_LABELS[name]
+    family = ReservedMetric(Counter(name.removesuffix("_total"), TELEMETRY_ERRORS_HELP, labelnames, registry=None),
+                            "counter", name, TELEMETRY_ERRORS_HELP, labelnames)
+    return {stage: family.labels("", stage) for stage in _STAGES}
 
 
 _PROCESS = _ProcessFailures()
@@ -72,7 +78,8 @@ os.register_at_fork(after_in_child=_PROCESS.after_fork_in_child)
 
 
 def process_failures() -> TelemetryFailures:
-    """The reporter of process-wide telemetry failures (span export), counted under engine label ""."""
+    """The reporter of process-wide telemetry failures (span export, metric files), counted under engine
+    label ""."""
     return _PROCESS.get()
 
 

@@ -3,11 +3,14 @@
 The lifecycle calls one method per transition that matters (rejected, timed out, conflict, checked, ended);
 this layer never calls back into it, and never raises into the engine: a failing exporter, metric, logger
 or hook is counted (and logged once) instead. Attribute work happens only for a span that records, and log
-formatting only at a level that is emitted.
+formatting only at a level that is emitted. Warnings (refused, timed out, abandoned) come in floods when
+something upstream breaks: each kind is written once per LOG_INTERVAL_S with the count left out before it,
+while the metrics count every one.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import operator
 from collections.abc import Callable, Iterable
@@ -18,10 +21,13 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanContext, Status, StatusCode
 
 from kvobs import semconv as sc
+from kvobs.telemetry.failures import STAGE_LOGGING
 from kvobs.telemetry.logs import trace_fields
+from kvobs.telemetry.ratelimit import RateLimitedLog
 from kvobs.telemetry.tracing import TracerSource
 
 MAX_IDS_ON_SPAN = 64
+LOG_INTERVAL_S = 10.0  # per kind of warning line (event, outcome), as the signal buffers' drops
 _LEVEL = {
     sc.OUTCOME_OK: logging.DEBUG,
     sc.OUTCOME_REJECTED: logging.WARNING,
@@ -99,6 +105,7 @@ class Recorder:
         self.tracer_source = tracer_source if metrics is not None else None
         self.logger = logger
         self.log_level = log_level if metrics is not None else logging.CRITICAL + 1
+        self._warnings = RateLimitedLog(logger, LOG_INTERVAL_S, on_error=functools.partial(failures, STAGE_LOGGING))
         self.hooks = tuple(hooks)
         self.failed = failures
         self.holder = holder
@@ -327,7 +334,11 @@ class Recorder:
             if t.key is not None:
                 fields["key"] = t.key
             method = logging.getLevelName(level).lower()
-            getattr(self.logger, method)(event, engine=self.engine, path=self.path, **fields)
+            if level == logging.WARNING:
+                self._warnings.log((event, fields.get("outcome")), method, event, engine=self.engine, path=self.path,
+                                   **fields)
+            else:
+                getattr(self.logger, method)(event, engine=self.engine, path=self.path, **fields)
         except Exception as exc:  # noqa: BLE001
             self.failed("logging", exc)
 

@@ -1,7 +1,8 @@
 """OpenTelemetry tracing: find a tracer cheaply per call, and a `configure_tracing` helper for applications.
 
 Library code never sets the global provider. When no provider is configured (the API's proxy/no-op one),
-kvobs skips span work entirely, so metrics-only users do not pay for a no-op span on every call.
+kvobs skips span work entirely, so metrics-only users do not pay for a no-op span on every call. kvobs's own
+tracer never draws ids from the global `random` (see trace_ids.py), whoever built the provider.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class TracerSource:
         if isinstance(provider, (ProxyTracerProvider, NoOpTracerProvider)):
             self.tracer = None
         else:
-            self.tracer = provider.get_tracer(INSTRUMENTATION_NAME, __version__)
+            self.tracer = _with_unique_ids(provider.get_tracer(INSTRUMENTATION_NAME, __version__))
 
     def get(self) -> Tracer | None:
         """None while only the no-op API is in place. The global provider is looked up at most once per
@@ -55,6 +56,17 @@ class TracerSource:
                 if provider is not self._provider:
                     self._adopt(provider)
         return self.tracer
+
+
+def _with_unique_ids(tracer: Tracer) -> Tracer:
+    """`tracer` (kvobs's own, a new object per `get_tracer` call) with ids unique per process, when its
+    provider left it the SDK's default generator. Only this tracer changes: the provider, and the
+    application's own tracers, keep theirs."""
+    from kvobs.telemetry.trace_ids import UNIQUE_IDS, draws_from_global_random
+
+    if draws_from_global_random(getattr(tracer, "id_generator", None)):
+        tracer.id_generator = UNIQUE_IDS  # type: ignore[attr-defined]
+    return tracer
 
 
 def call_in_span(span: Any, func: Callable[..., Any], args: tuple, kwargs: dict, context: Any = None) -> Any:
@@ -83,23 +95,27 @@ def configure_tracing(
     OTEL_EXPORTER_OTLP[_TRACES]_PROTOCOL (`grpc`, the default, or `http/protobuf`), and
     OTEL_EXPORTER_OTLP[_TRACES]_TIMEOUT (`timeout`, seconds per export). Arguments win over them.
 
-    Every failed export is counted in kvobs_telemetry_errors_total{engine="", stage="export"} and logged once
-    per interval; shutting the provider down (at exit, too) takes at most about `timeout` seconds even when
-    the collector is unreachable.
+    Trace and span ids come from a generator of kvobs's own, unique per process even when the application seeds
+    `random` alike everywhere (vLLM seeds it with 0). Every failed export and every span dropped from the full
+    queue is counted in kvobs_telemetry_errors_total{engine="", stage="export"} and logged once per interval;
+    `force_flush(ms)` returns within its timeout, True only when everything ended before it was exported;
+    shutting the provider down (at exit, too) takes at most about `timeout` seconds even when the collector is
+    unreachable.
     """
     from opentelemetry.sdk.resources import SERVICE_NAME, Resource
     from opentelemetry.sdk.trace import TracerProvider as SdkTracerProvider
 
     from kvobs.telemetry.export import BoundedBatchSpanProcessor, CountingSpanExporter
     from kvobs.telemetry.process_failures import process_failures
+    from kvobs.telemetry.trace_ids import UNIQUE_IDS
 
     timeout_s = export_timeout(timeout)
     attributes = {SERVICE_NAME: service_name} if service_name else {}
-    provider = SdkTracerProvider(resource=Resource.create(attributes))
+    provider = SdkTracerProvider(resource=Resource.create(attributes), id_generator=UNIQUE_IDS)
     if exporter is None:
         exporter = otlp_exporter(endpoint=endpoint, protocol=protocol, timeout=timeout_s)
-    provider.add_span_processor(BoundedBatchSpanProcessor(CountingSpanExporter(exporter, process_failures()),
-                                                          timeout_s))
+    failed = process_failures()
+    provider.add_span_processor(BoundedBatchSpanProcessor(CountingSpanExporter(exporter, failed), timeout_s, failed))
     if set_global:
         trace.set_tracer_provider(provider)
     return provider
