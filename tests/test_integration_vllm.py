@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import structlog.testing
 import torch
 import upstream
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -29,6 +30,7 @@ from test_integration_vllm_support import (
     backend,
     create,
     default_engine_observer,  # noqa: F401  (autouse fixture)
+    engine_label,
     layer_caches,
     load_job,
     offloading_child,
@@ -364,3 +366,30 @@ def test_shutdown_puts_the_offloading_workers_methods_back(vllm: upstream.Upstre
     assert {"submit_load", "submit_store", "get_finished", "wait"} <= set(vars(worker))
     rig.close()
     assert not {"submit_load", "submit_store", "get_finished", "wait"} & set(vars(worker))
+
+
+@pytest.mark.parametrize(("options", "policy"), [({}, "recompute"), ({"recompute": False}, "fail")])
+def test_the_scheduler_side_makes_vllm_recompute_corrupt_loads_unless_told_not_to(vllm, options, policy):
+    config = wrapper_config(vllm, offloading_child(), engine=engine_label(), **options)
+    assert config.kv_transfer_config.kv_load_failure_policy == "fail"  # vLLM's default
+    with structlog.testing.capture_logs() as logs:
+        create(vllm, config, role="SCHEDULER")
+    assert config.kv_transfer_config.kv_load_failure_policy == policy
+    said = " ".join(entry["event"] for entry in logs)
+    assert "kv_load_failure_policy" in said
+
+
+def test_a_lookup_covering_a_block_that_loaded_corrupt_is_a_miss(vllm):
+    from kvobs.integrations.vllm.scheduler import SchedulerSide
+
+    side = SchedulerSide(transfers=None, block_size=16)  # the lookup answers touch no transfer
+    request = types.SimpleNamespace(request_id="r1", block_hashes=[b"h0", b"h1", b"h2", b"h3"])
+    blocks = types.SimpleNamespace(get_block_ids=lambda: ([7, 8, 9, 10],))
+    assert side.matched(request, 0, (64, True)) == (64, True)
+    side.allocated(request, blocks, 64)
+    side.output(types.SimpleNamespace(finished_sending=None, invalid_block_ids={9}, failed_recving=set(),
+                                      finished_recving={"r1"}))
+    assert side.matched(request, 0, (64, True)) == (0, False)  # h2 (block 9) and after are suspect
+    assert side.matched(request, 0, (32, True)) == (32, True)  # h0, h1 loaded clean
+    other = types.SimpleNamespace(request_id="r2", block_hashes=[b"h0", b"h1", b"h2"])
+    assert side.matched(other, 16, (32, True)) == (0, False)  # any request with that prefix

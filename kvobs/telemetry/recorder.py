@@ -213,6 +213,10 @@ class Recorder:
         if t.span is not None:
             try:
                 t.span.add_event(sc.EVENT_INTEGRITY_BAD_BLOCKS, {sc.ATTR_BAD_BLOCK_IDS: bad})
+                # on the span itself too, and an error status: a search for failed transfers finds it whatever
+                # the policy then did with the data
+                t.span.set_attribute(sc.ATTR_BAD_BLOCK_IDS, bad)
+                t.span.set_status(Status(StatusCode.ERROR, f"{result.result} in {len(result.bad_block_ids)} block(s)"))
             except Exception as exc:  # noqa: BLE001
                 self.failed("tracing", exc)
         self._log(logging.ERROR, "kvobs.integrity.bad_blocks", t, t.span, result=result.result,

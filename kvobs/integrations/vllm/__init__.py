@@ -1,4 +1,4 @@
-"""Put kvobs on vLLM (0.33, V1 KV connector API): a KV connector that wraps any other one.
+"""Put kvobs on vLLM (0.32 and 0.33, V1 KV connector API): a KV connector that wraps any other one.
 
     --kv-transfer-config '{"kv_connector": "KVObsConnector",
                            "kv_connector_module_path": "kvobs.integrations.vllm",
@@ -11,14 +11,16 @@
 The wrapped connector runs exactly as it would alone (same calls, same results, same errors). kvobs sees,
 per request: each offloading load job as a `prefetch` and each store job as a `write_back` transfer (from
 the job's submission to the worker reporting it done), each receive named by the metadata (NIXL's
-`reqs_to_recv`) as a `receive` transfer, and each request a prefill node hands to a decode node as a `send`
-transfer whose trace context travels in `kv_transfer_params`, so the decode node's receive continues the
-same trace. Use `KVObsConnectorNoHMA` to wrap a connector without HMA support.
+`reqs_to_recv`) as a `receive` transfer, each load and store of a connector that copies during the
+forward pass (the shared-storage connector) as a `prefetch` / `write_back`, and each request a prefill node
+hands to a decode node as a `send` transfer whose trace context travels in `kv_transfer_params`, so the
+decode node's receive continues the same trace. Use `KVObsConnectorNoHMA` to wrap a connector without HMA support.
 
 Options (`kv_connector_extra_config`): `connector` (the wrapped connector's kv_transfer_config; `engine_id`
 and `kv_role` default to the wrapper's), `engine` (the kvobs engine label), `integrity` (`report`, the
-default: corrupt loads are reported to vLLM as load failures and corrupt stores are left out; `raise`;
-`count`; `off`), `deadline` (seconds before an open transfer is abandoned).
+default: corrupt loads are reported to vLLM as load failures and recomputed, corrupt stores are left out;
+`raise`; `count`; `off`), `recompute` (true, the default: kvobs sets vLLM's `kv_load_failure_policy` to
+`recompute`; false keeps vLLM's), `deadline` (seconds before an open transfer is abandoned).
 
 No lock is taken by default: vLLM keeps many transfers open at once, which one global lock would serialise.
 For a `BlockLock`, or a registry, tracer provider or hooks of your own, build the observer yourself and

@@ -18,11 +18,13 @@ INTEGRITY = "integrity"
 DEADLINE = "deadline"
 CHECK_EVERY = "check_every"
 TRACING = "tracing"
-KEYS = (CONNECTOR, ENGINE, INTEGRITY, CHECK_EVERY, DEADLINE, TRACING)
+RECOMPUTE = "recompute"
+KEYS = (CONNECTOR, ENGINE, INTEGRITY, CHECK_EVERY, DEADLINE, TRACING, RECOMPUTE)
 
 # What a NaN/Inf finding does to vLLM:
-#   report: a corrupt load is reported to vLLM as a load failure (its kv_load_failure_policy then recomputes
-#           or fails the request); a corrupt store is not performed, and what it would have written is never
+#   report: a corrupt load is reported to vLLM as a load failure, which vLLM recomputes (kvobs sets its
+#           kv_load_failure_policy to recompute unless `recompute` is false), and the corrupt stored copy is
+#           never offered again; a corrupt store is not performed, and what it would have written is never
 #           loaded (each load from there is reported as a load failure too);
 #   raise:  CorruptKVError is raised into vLLM (the engine step fails; a corrupt store is never submitted);
 #   count:  metrics, logs and spans only;
@@ -43,6 +45,7 @@ class Options:
     check_every: int = 1  # check one transfer in N
     deadline: float | None = None
     tracing: bool = False  # export spans over OTLP, configured by the standard OTEL_* variables
+    recompute: bool = True  # set vLLM's kv_load_failure_policy to recompute (mode `report`)
 
 
 def read_options(extra_config: Mapping[str, Any] | None) -> Options:
@@ -57,7 +60,8 @@ def read_options(extra_config: Mapping[str, Any] | None) -> Options:
         integrity=_integrity(extra.get(INTEGRITY, "report")),
         check_every=_check_every(extra.get(CHECK_EVERY, 1)),
         deadline=_deadline(extra.get(DEADLINE)),
-        tracing=_tracing(extra.get(TRACING, False)),
+        tracing=_flag(TRACING, extra.get(TRACING, False)),
+        recompute=_flag(RECOMPUTE, extra.get(RECOMPUTE, True)),
     )
 
 
@@ -97,7 +101,7 @@ def _check_every(value: Any) -> int:
     return value
 
 
-def _tracing(value: Any) -> bool:
+def _flag(key: str, value: Any) -> bool:
     if not isinstance(value, bool):
-        raise ValueError(f"KVObsConnector tracing={value!r}: use true or false")  # noqa: TRY004 - as above
+        raise ValueError(f"KVObsConnector {key}={value!r}: use true or false")  # noqa: TRY004 - as above
     return value

@@ -81,16 +81,52 @@ class Transfers:
         self._check = policy_for(mode)
         self._sampler = IntegrityPolicy(every=every).sampler()
         self.cache: Any = None
+        self.block_bytes: int | None = None  # bytes a block holds across the checked caches, when known
+        self.group_caches: list[Any] | None = None  # per KV group, when there are several
+        self.group_block_bytes: list[int | None] = []
+        self._split: dict[tuple[str, Any], list[Any]] = {}  # (path, key) -> its per-group keys
         self._pending: CorruptKVError | None = None
 
     def begin(self, path: str, key: Any, *, request_id: Any, block_ids: list[int], group_sizes: Any = None,
               trace_context: Any = None) -> tuple[int, ...]:
         """Begin a transfer now (a reading one's sources are checked now). Returns the bad source ids that
-        `report` found (the transfer has then ended as failed), else (); `raise` raises them."""
+        `report` found (the transfer has then ended as failed), else (); `raise` raises them.
+
+        With several KV groups (`group_caches` set and `group_sizes` naming them), each group's ids are a
+        transfer of their own, under (key, group), checked in that group's layers only: block ids are unique
+        only within a group."""
+        groups = self._per_group(block_ids, group_sizes)
+        if groups is None:
+            return self._begin(path, key, request_id, block_ids, group_sizes, self.cache, self.block_bytes,
+                               trace_context)
+        bad: list[int] = []
+        keys = []
+        for group, ids in groups:
+            keys.append((key, group))
+            bad.extend(self._begin(path, (key, group), request_id, ids, None, self.group_caches[group],
+                                   self.group_block_bytes[group], trace_context))
+        self._split[(path, key)] = keys
+        return tuple(bad)
+
+    def _per_group(self, block_ids: list[int], group_sizes: Any) -> list[tuple[int, list[int]]] | None:
+        if self.group_caches is None or group_sizes is None or len(group_sizes) != len(self.group_caches):
+            return None
+        groups = []
+        start = 0
+        for group, size in enumerate(group_sizes):
+            ids = list(block_ids[start:start + size])
+            start += size
+            if ids:
+                groups.append((group, ids))
+        return groups
+
+    def _begin(self, path: str, key: Any, request_id: Any, block_ids: list[int], group_sizes: Any, cache: Any,
+               block_bytes: int | None, trace_context: Any) -> tuple[int, ...]:
         try:
             check = self._check if self._check is not False and self._sampler.should_check() else False
+            nbytes = None if block_bytes is None else len(block_ids) * block_bytes
             self.obs.begin(path, check=check, key=key, request_id=request_id, block_ids=block_ids,
-                           group_sizes=group_sizes, cache=self.cache, trace_context=trace_context)
+                           group_sizes=group_sizes, cache=cache, nbytes=nbytes, trace_context=trace_context)
         except CorruptKVError as exc:
             if self.mode == "raise":
                 raise
@@ -102,6 +138,12 @@ class Transfers:
     def complete(self, path: str, key: Any) -> tuple[int, ...]:
         """The copy under `key` is done: check a writing transfer's destinations and end it. Returns the bad
         destination ids `report` found, else (); `raise` keeps its error for `raise_pending`."""
+        bad: list[int] = []
+        for part in self._split.pop((path, key), (key,)):
+            bad.extend(self._complete(path, part))
+        return tuple(bad)
+
+    def _complete(self, path: str, key: Any) -> tuple[int, ...]:
         t = self.obs.open_transfer(path, key)
         if t is None:
             return ()
@@ -115,10 +157,11 @@ class Transfers:
 
     def fail(self, path: str, key: Any, error: BaseException) -> None:
         """The copy under `key` failed (the engine said so)."""
-        self.obs.fail(path, key, error)
+        for part in self._split.pop((path, key), (key,)):
+            self.obs.fail(path, part, error)
 
     def is_open(self, path: str, key: Any) -> bool:
-        return self.obs.open_transfer(path, key) is not None
+        return any(self.obs.open_transfer(path, part) is not None for part in self._split.get((path, key), (key,)))
 
     def raise_pending(self) -> None:
         """Raise the first CorruptKVError kept by `complete` under the `raise` mode, if any."""

@@ -18,6 +18,7 @@ from typing import Any
 from kvobs.integrations.vllm.caches import checkable_caches
 from kvobs.integrations.vllm.offloading import LoadFailure, OffloadingWatch
 from kvobs.integrations.vllm.receive import ReceiveWatch
+from kvobs.integrations.vllm.sync import SyncWatch
 from kvobs.integrations.vllm.transfers import Transfers
 from kvobs.integrations.vllm.tree import leaves
 
@@ -25,15 +26,18 @@ from kvobs.integrations.vllm.tree import leaves
 class WorkerSide:
     """Observation for one worker-side KVObsConnector."""
 
-    def __init__(self, transfers: Transfers, *, num_blocks: int, num_groups: int, offloading_worker: type,
-                 transfer_result: type) -> None:
+    def __init__(self, transfers: Transfers, *, num_blocks: int, group_layers: list[list[str]], block_size: int,
+                 offloading_worker: type, transfer_result: type) -> None:
         self.transfers = transfers
         self.num_blocks = num_blocks
-        self.num_groups = num_groups
+        self.group_layers = group_layers
+        self.num_groups = len(group_layers)
         self._offloading_worker = offloading_worker
         self._transfer_result = transfer_result
         self.watches: list[tuple[Any, OffloadingWatch]] = []
         self.receives = ReceiveWatch(transfers)
+        self.sync = SyncWatch(transfers, block_size)
+        self._sync_failures: list[LoadFailure] = []
         self._bound: list[tuple[Any, Any]] = []
         self._trace_contexts: Mapping[str, Any] = {}
         self._load_errors: set[int] = set()
@@ -41,6 +45,10 @@ class WorkerSide:
     def registered(self, wrapped: Any, kv_caches: Mapping[str, Any]) -> None:
         """After the wrapped `register_kv_caches`: the caches to check, and the offloading workers it made."""
         self.transfers.cache, left_out = checkable_caches(kv_caches, self.num_blocks)
+        if self.transfers.cache is not None and self.num_groups == 1 and not left_out:
+            self.transfers.block_bytes = sum(view[0].nbytes for view in self.transfers.cache)
+        if self.num_groups > 1:
+            self._register_groups(kv_caches)
         if left_out:
             self.transfers.obs.logger.warning("kvobs.vllm: KV caches left out of the NaN/Inf checks",
                                               layers=left_out[:8], count=len(left_out))
@@ -48,6 +56,17 @@ class WorkerSide:
             worker = getattr(getattr(leaf, "connector_worker", None), "worker", None)
             if isinstance(worker, self._offloading_worker) and self._watch(leaf) is None:
                 self.watches.append((leaf, OffloadingWatch(worker, self.transfers, self._transfer_result)))
+
+    def _register_groups(self, kv_caches: Mapping[str, Any]) -> None:
+        """Each KV group's own caches, so a block id is checked where that group keeps it."""
+        group_caches = []
+        group_bytes: list[int | None] = []
+        for layers in self.group_layers:
+            views, left_out = checkable_caches({n: kv_caches[n] for n in layers if n in kv_caches}, self.num_blocks)
+            group_caches.append(views)
+            group_bytes.append(None if views is None or left_out else sum(view[0].nbytes for view in views))
+        self.transfers.group_caches = group_caches
+        self.transfers.group_block_bytes = group_bytes
 
     def bound(self, wrapped: Any, metadata: Any, trace_contexts: Mapping[str, Any]) -> None:
         """After the wrapped `bind_connector_metadata`: each connector's part of the step's metadata."""
@@ -69,13 +88,21 @@ class WorkerSide:
         self._note_stores(leaves(wrapped, metadata))
 
     def loading(self) -> None:
-        """Before the wrapped `start_load_kv`: the receives this step hands over begin."""
+        """Before the wrapped `start_load_kv`: the receives this step hands over begin, and the loads of
+        connectors that copy in `start_load_kv` itself."""
         for _, part in self._bound:
             self.receives.start(part, self._trace_contexts)
+        self.sync.loading(part for _, part in self._bound)
 
     def saving(self) -> None:
-        """Before the wrapped `wait_for_save`, which queues this step's stores for the next step."""
+        """Before the wrapped `wait_for_save`, which queues this step's stores for the next step (offloading)
+        or ends the ones written during the pass (synchronous connectors, whose loads end here too)."""
         self._note_stores(self._bound)
+        self._sync_failures.extend(self.sync.saving(part for _, part in self._bound))
+
+    def saved(self) -> None:
+        """After the wrapped `wait_for_save`."""
+        self.sync.saved()
 
     def results(self, results: Any) -> Any:
         """After the wrapped `get_transfer_results`: end what it reports; corrupt loads told to vLLM."""
@@ -123,6 +150,8 @@ class WorkerSide:
 
     def _finished(self, finished: Any, failed: Any) -> list[LoadFailure]:
         failures = self.receives.finish(finished, failed)
+        failures.extend(self._sync_failures)
+        self._sync_failures = []
         for _, watch in self.watches:
             failures.extend(watch.take_failures())
         return failures

@@ -16,7 +16,7 @@ from typing import Any
 import kvobs.integrations.vllm.children as children
 from kvobs.errors import CorruptKVError, LockTimeout
 from kvobs.integrations.vllm.observers import observer_for
-from kvobs.integrations.vllm.scheduler import SchedulerSide
+from kvobs.integrations.vllm.scheduler import SchedulerSide, load_failure_policy
 from kvobs.integrations.vllm.transfers import Transfers
 from kvobs.integrations.vllm.worker import WorkerSide
 
@@ -40,15 +40,19 @@ class WrapperMethods:
         # Called once per layer per step: the wrapped connector's own bound methods, with no frame of ours.
         self.wait_for_layer_load = wrapped.wait_for_layer_load
         self.save_kv_layer = wrapped.save_kv_layer
-        self._kvobs_transfers = transfers = Transfers(observer_for(options), options.integrity, options.check_every)
+        obs = observer_for(options)
+        self._kvobs_transfers = transfers = Transfers(obs, options.integrity, options.check_every)
         self._kvobs_worker: WorkerSide | None = None
         self._kvobs_scheduler: SchedulerSide | None = None
         if role == base.KVConnectorRole.WORKER:
             self._kvobs_worker = WorkerSide(
-                transfers, num_blocks=kv_cache_config.num_blocks, num_groups=len(kv_cache_config.kv_cache_groups),
-                offloading_worker=OffloadingWorker, transfer_result=TransferResult)
+                transfers, num_blocks=kv_cache_config.num_blocks,
+                group_layers=[list(group.layer_names) for group in kv_cache_config.kv_cache_groups],
+                block_size=vllm_config.cache_config.block_size, offloading_worker=OffloadingWorker,
+                transfer_result=TransferResult)
         else:
-            self._kvobs_scheduler = SchedulerSide(transfers)
+            load_failure_policy(vllm_config.kv_transfer_config, options.integrity, options.recompute, obs.logger)
+            self._kvobs_scheduler = SchedulerSide(transfers, block_size=_block_size(kv_cache_config))
 
     @property
     def kvobs_wrapped(self) -> Any:
@@ -106,7 +110,10 @@ class WrapperMethods:
     def wait_for_save(self) -> Any:
         if self._kvobs_worker is not None:
             self._kvobs_safely(None, self._kvobs_worker.saving)
-        return self._kvobs_wrapped.wait_for_save()
+        result = self._kvobs_wrapped.wait_for_save()
+        if self._kvobs_worker is not None:
+            self._kvobs_safely(None, self._kvobs_worker.saved)
+        return result
 
     def get_finished(self, finished_req_ids: set[str]) -> Any:
         finished = self._kvobs_wrapped.get_finished(finished_req_ids)
@@ -151,10 +158,16 @@ class WrapperMethods:
         contexts = {} if self._kvobs_scheduler is None else self._kvobs_scheduler.take_trace_contexts()
         return self._kvobs_metadata_type(wrapped=wrapped, trace_contexts=contexts)
 
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[Any, bool]:
+        result = self._kvobs_wrapped.get_num_new_matched_tokens(request, num_computed_tokens)
+        if self._kvobs_scheduler is None:
+            return result
+        return self._kvobs_safely(result, self._kvobs_scheduler.matched, request, num_computed_tokens, result)
+
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> Any:
         result = self._kvobs_wrapped.update_state_after_alloc(request, blocks, num_external_tokens)
         if self._kvobs_scheduler is not None:
-            self._kvobs_safely(None, self._kvobs_scheduler.allocated, request)
+            self._kvobs_safely(None, self._kvobs_scheduler.allocated, request, blocks, num_external_tokens)
         return result
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, Any]:
@@ -203,6 +216,12 @@ class WrapperMethods:
                            per_engine_labelvalues: Any) -> Any:
         child_cls, child_config, _ = children.child_of(vllm_config)
         return child_cls.build_prom_metrics(child_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+def _block_size(kv_cache_config: Any) -> int:
+    """Tokens per KV block of the first KV group (the one whose prefix hashes vLLM keeps per block)."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+    return int(groups[0].kv_cache_spec.block_size) if groups else 1
 
 
 class HMAMethods:
