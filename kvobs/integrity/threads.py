@@ -42,8 +42,10 @@ def mark(plans: list[KernelPlan], ids: np.ndarray) -> tuple[np.ndarray, int]:
     else 1 if an Inf, else 0; `found` is 0 when every flag is 0."""
     counters = np.zeros(len(plans), dtype=np.int64)  # per plan: the next chunk of ids to claim
     flags = np.zeros(ids.shape[0], dtype=np.uint8)  # shared: the kernel raises flags atomically
-    per_block = sum(plan.block_bytes for plan in plans)
-    helpers = min(_reading_threads(), ids.shape[0] * per_block // MIN_BYTES_PER_THREAD) - 1
+    shares = ids.shape[0] * sum(plan.block_bytes for plan in plans) // MIN_BYTES_PER_THREAD
+    if shares < 2:  # one thread's work: none of the pool's bookkeeping, whose cold cost dwarfs a small read
+        return flags, _mark_share(plans, ids, flags, counters)
+    helpers = min(_reading_threads(), shares) - 1
     outcomes: list[int | BaseException] = []
     claims = [threading.Lock() for _ in range(helpers)]
     if claims:
