@@ -172,9 +172,10 @@ class _ExclusiveLock:
             acquired = self.acquire(self.timeout)
         else:  # an interrupt from here on drops the with-statement's exit, which releases `held`
             acquired = self.acquire_into(held, _DIRECT, self.timeout)
-            self._direct = held
         if not acquired:
             raise LockTimeout(self.name, self.timeout or 0.0)
+        if held is not None:
+            self._direct = held  # `release()` from inside the block, or from another thread, as after acquire()
         return self
 
     def _held_by_this_with(self) -> Held | None:

@@ -164,3 +164,24 @@ def test_an_interrupt_at_any_instruction_of_a_with_lock_leaks_nothing(subject, p
     with subject.context():
         assert not subject.is_free()
     assert subject.is_free()
+
+
+def test_looking_the_exit_up_outside_a_with_statement_changes_nothing(subject):
+    """The exit a `with` statement finds releases when dropped; one looked up by anyone else (hasattr, a kept
+    reference, ExitStack's lookup on the class) neither releases early nor leaves the lock held."""
+    context = subject.context()
+    assert hasattr(context, "__exit__")  # a fresh exit, dropped at once, before the with-block
+    with context:
+        assert hasattr(context, "__exit__")  # dropped while the block runs: must not release it
+        assert not subject.is_free()
+    assert subject.is_free()
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(subject.context())
+        assert not subject.is_free()
+    assert subject.is_free()
+    context = subject.context()
+    kept = context.__exit__
+    with context:
+        assert not subject.is_free()
+    del kept
+    assert subject.is_free()
