@@ -16,6 +16,8 @@ kvobs gets the same guarantee by never letting bytecode run between an action an
   from any thread, so cleanup paths may call it freely.
 - `one_shot_release_when_dropped(held)` is that callable together with a one-argument twin sharing its one
   shot, for a weak reference's callback: C code runs it when the referent dies, with no bytecode before it.
+- `exit_releasing_when_dropped(held, exit_function, *args)` is the exit a `with` statement calls, watched so
+  that its death releases `held` (see below): the with-statement holds it only on the interpreter stack.
 - Who ends something is decided the same way: `mine.extend(islice(token_iterator, 1))` moves a one-shot
   token into the caller's own list in one C call, so the winner knows it won even if interrupted at once.
 """
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import operator
+import weakref
 from collections import deque
 from collections.abc import Callable
 from itertools import chain, compress, starmap
@@ -65,6 +68,26 @@ def one_shot_release_when_dropped(held: Held) -> tuple[Callable[[], Any], Callab
     finds nothing to do. `functools.reduce` only consumes it (`operator.is_` never raises)."""
     steps = map(CALL, chain(held, (held.clear,)))
     return functools.partial(deque, steps, 0), functools.partial(functools.reduce, operator.is_, steps)
+
+
+def exit_releasing_when_dropped(
+    held: Held, exit_function: Callable[..., Any], *args: Any
+) -> tuple[Callable[[], Any], functools.partial, weakref.ref]:
+    """(`one_shot_release(held)`, the exit, its watch): the exit is `functools.partial(exit_function, *args)`,
+    and its death runs the undo steps in `held` (in C: the watch's callback shares the release's one shot).
+
+    Why: a signal handler that raises (Ctrl-C) can land at the first instruction of a Python `__exit__`, before
+    anything there runs, or in `__enter__` after the lock is taken but before it returns, when `with` calls no
+    `__exit__` at all. The `with` statement looks `__exit__` up BEFORE it calls `__enter__` and keeps the result
+    only on the interpreter stack until it has called it; so an `__exit__` descriptor handing out this exit, with
+    `__enter__` acquiring into `held`, releases the lock as an interrupt leaves the with-statement. After a
+    complete exit `held` is empty and the callback does nothing.
+    """
+    release, release_when_dropped = one_shot_release_when_dropped(held)
+    exit_call = functools.partial(exit_function, *args)
+    watch = weakref.ref(exit_call, release_when_dropped)
+    exit_call.watch = watch  # lives as long as the exit: a weak reference that died first would call nothing
+    return release, exit_call, watch
 
 
 def release_now(held: Held) -> None:

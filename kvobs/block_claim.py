@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections import deque
-from types import TracebackType
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from types import MethodType, TracebackType
+from typing import TYPE_CHECKING, Any
 
-from kvobs.atomic import Held, release_now
+from kvobs.atomic import Held, exit_releasing_when_dropped, release_now
 from kvobs.errors import LockTimeout
 from kvobs.locks import CacheLock, Claim
 
@@ -14,6 +15,23 @@ if TYPE_CHECKING:
     from typing import Self  # Python 3.11+
 
 __all__ = ["BlockClaim"]
+
+
+class _WatchedExit:
+    """`BlockClaim.__exit__`: looked up by a `with` statement on a claim not held, a fresh exit whose death
+    releases what `__enter__` takes into the fresh undo deque it installs, even when the exit never starts or
+    `__enter__` raises after taking the blocks (see `kvobs.atomic.exit_releasing_when_dropped`). Looked up on
+    a held claim or on the class, the plain exit."""
+
+    def __get__(self, claim: BlockClaim | None, owner: type | None = None) -> Callable[..., Any]:
+        if claim is None:
+            return BlockClaim._exit
+        if claim._held:
+            return MethodType(BlockClaim._exit, claim)
+        held: Held = deque()
+        _, exit_call, _watch = exit_releasing_when_dropped(held, BlockClaim._exit, claim)
+        claim._held = held
+        return exit_call
 
 
 class BlockClaim:
@@ -37,10 +55,12 @@ class BlockClaim:
             raise LockTimeout(self.lock.name, self.timeout or 0.0, self.claim.holder)
         return self
 
-    def __exit__(
+    def _exit(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.release()
+
+    __exit__ = _WatchedExit()
 
     def release(self) -> None:
         """Release the blocks; a no-op once released."""

@@ -22,7 +22,7 @@ from itertools import compress
 from time import perf_counter
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
-from kvobs.atomic import Held, push_if, push_unless_raises, release_now
+from kvobs.atomic import Held, exit_releasing_when_dropped, push_if, push_unless_raises, release_now
 from kvobs.errors import LockTimeout
 from kvobs.forks import renewed_after_fork
 from kvobs.lockfile import lock_directory, lock_path, open_lock_file, reopen
@@ -79,11 +79,37 @@ _NO_WAIT = (False,)
 _DIRECT = Claim("direct")
 
 
+class _PendingExits(threading.local):
+    """Per thread, the exits that `with lock:` statements looked up and whose `__enter__` has not yet run, each
+    with the undo deque it releases when dropped; newest last (a signal handler's own `with lock:` nests)."""
+
+    def __init__(self) -> None:
+        self.exits: list[tuple[weakref.ref, Held]] = []
+
+
+class _WatchedExit:
+    """`_ExclusiveLock.__exit__`: looked up by a `with` statement on a lock, a fresh exit whose death releases
+    what that with-statement's `__enter__` took, even when the exit never starts or `__enter__` raises after
+    taking the lock (see `kvobs.atomic.exit_releasing_when_dropped`). Looked up on the class (as
+    `contextlib.ExitStack` does), the plain exit releasing what `acquire()` took."""
+
+    def __get__(self, lock: _ExclusiveLock | None, owner: type | None = None) -> Callable[..., Any]:
+        if lock is None:
+            return _ExclusiveLock._exit_direct
+        held: Held = deque()
+        _, exit_call, watch = exit_releasing_when_dropped(held, _ExclusiveLock._exit_with, lock, held)
+        exits = lock._pending.exits
+        while exits and exits[-1][0]() is None:  # exits looked up and dropped without a `with` (hasattr)
+            exits.pop()
+        exits.append((watch, held))
+        return exit_call
+
+
 class _ExclusiveLock:
     """Shared by ThreadLock and ProcessLock: one exclusive holder at a time, plus a direct `with lock:` API.
 
     The direct API (`acquire(timeout)`, `release()`, `with lock:`) is for code outside kvobs's guards; it keeps
-    its own undo deque, so it is as interrupt-safe as the lifecycle.
+    its own undo deques, so it is as interrupt-safe as the lifecycle.
     """
 
     name: str
@@ -107,6 +133,7 @@ class _ExclusiveLock:
         self.held_since = 0.0
         self.holder = UNKNOWN_HOLDER
         self._direct: Held = deque()
+        self._pending = _PendingExits()
 
     def _mutex_locked(self) -> bool:
         raise NotImplementedError
@@ -140,11 +167,34 @@ class _ExclusiveLock:
         release_now(self._direct)
 
     def __enter__(self) -> _ExclusiveLock:
-        if not self.acquire(self.timeout):
+        held = self._held_by_this_with()
+        if held is None:  # entered without a `with` statement's lookup of the exit (ExitStack, a direct call)
+            acquired = self.acquire(self.timeout)
+        else:  # an interrupt from here on drops the with-statement's exit, which releases `held`
+            acquired = self.acquire_into(held, _DIRECT, self.timeout)
+        if not acquired:
             raise LockTimeout(self.name, self.timeout or 0.0)
+        if held is not None:
+            self._direct = held  # `release()` from inside the block, or from another thread, as after acquire()
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
+    def _held_by_this_with(self) -> Held | None:
+        """The undo deque of the exit this thread's `with` statement looked up last and still holds."""
+        exits = self._pending.exits
+        while exits:
+            watch, held = exits.pop()
+            if watch() is not None:
+                return held
+        return None
+
+    __exit__ = _WatchedExit()
+
+    def _exit_with(self, held: Held, *exc_info: object) -> None:
+        if not held:
+            raise RuntimeError(f"release of {self!r}, which this with-statement does not hold")
+        release_now(held)
+
+    def _exit_direct(self, *exc_info: object) -> None:
         self.release()
 
 

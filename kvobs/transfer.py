@@ -16,7 +16,6 @@ on the blocks that actually moved.
 
 from __future__ import annotations
 
-import functools
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -28,7 +27,7 @@ from typing import Any
 from kvobs import active, async_wait
 from kvobs import semconv as sc
 from kvobs import transfer_checks as checks
-from kvobs.atomic import one_shot_release, one_shot_release_when_dropped
+from kvobs.atomic import exit_releasing_when_dropped, one_shot_release
 from kvobs.errors import LockTimeout, ReentrantLockError, TransferRejected
 from kvobs.locks import Claim
 from kvobs.route import Route
@@ -317,9 +316,7 @@ class Transfer:
     def _exit_releasing_when_dropped(self, exit_function: Callable[..., Any]) -> Callable[..., Any]:
         """The exit a `with` statement calls: its death releases whatever is still held (see _ExitOfWith)."""
         held = self._held = deque()
-        self._release, release_when_dropped = one_shot_release_when_dropped(held)
-        exit_call = functools.partial(exit_function, self)
-        self._exit_watch = weakref.ref(exit_call, release_when_dropped)
+        self._release, exit_call, self._exit_watch = exit_releasing_when_dropped(held, exit_function, self)
         return exit_call
 
     def _exit(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
