@@ -9,22 +9,19 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import gc
-import os
-import random
-import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
-from types import FrameType
 from typing import Any
 
 import pytest
 import structlog
+from interrupts import Interrupt, interrupt_at, spread_storm
+from support import lock_is_free, lock_is_free_from_other_thread
 
 import kvobs
 from kvobs import semconv as sc
+from kvobs.block_lock import BlockLock
 from kvobs.errors import LockTimeout, TransferRejected
 from kvobs.locks import ProcessLock
 from kvobs.open_transfers import _REAPER, EVENT_RESTARTED
@@ -32,8 +29,6 @@ from kvobs.telemetry import recorder as recorder_module
 from kvobs.telemetry.failures import STAGE_DEADLINE_THREAD
 from kvobs.telemetry.ratelimit import SUPPRESSED_FIELD
 from kvobs.testing import capture
-from kvobs.block_lock import BlockLock
-from support import lock_is_free, lock_is_free_from_other_thread
 
 # An interrupt that lands outside the transfer (in another library's gc callback) tests nothing and is only
 # reported as unraisable: fail instead of warning.
@@ -269,88 +264,16 @@ class _WithBlocks:
                 t.abandon()
 
 
-class Storm(Exception):
-    """Raised by the storm's signal handler between two bytecodes of whatever runs."""
-
-
-def _spread_storm(calls: _WithBlocks, seconds: float = 2.0, interrupted_calls: int = 300,
-                  max_seconds: float = 15.0) -> tuple[int, int, int]:
-    """Like test_lifecycle_defects' storm (SIGALRM every 30 us), but each call lets a random 1-60 signals pass
-    before one raises, so that the interrupts land all over the with-block, its exit included, and not only
-    at its start. Returns (calls, interrupted, leaked)."""
-    rng = random.Random(22)
-    armed = [0]  # signals still to let pass before raising; 0: disarmed
-    done = interrupted = leaked = 0
-
-    def handler(signum, frame):
-        if armed[0]:
-            armed[0] -= 1
-            if not armed[0]:
-                raise Storm()
-
-    gc.collect()
-    gc.disable()
-    previous = signal.signal(signal.SIGALRM, handler)
-    signal.setitimer(signal.ITIMER_REAL, 30e-6, 30e-6)
-    start = time.monotonic()
-    try:
-        while (interrupted < interrupted_calls or time.monotonic() - start < seconds) \
-                and time.monotonic() - start < max_seconds:
-            done += 1
-            try:
-                armed[0] = rng.randint(1, 60)
-                calls()
-                armed[0] = 0
-            except Storm:
-                armed[0] = 0
-                interrupted += 1
-            if not calls.lock_is_free():
-                leaked += 1
-                calls.recover()
-    finally:
-        armed[0] = 0
-        signal.setitimer(signal.ITIMER_REAL, 0, 0)
-        signal.signal(signal.SIGALRM, previous)
-        gc.enable()
-    return done, interrupted, leaked
-
-
 @pytest.mark.parametrize("kind", ["thread", "process", "block"])
 def test_interrupt_storm_on_with_blocks_leaks_no_lock(tmp_path, kind):
     lock = _storm_lock(kind, tmp_path)
     obs = kvobs.KVObserver("storm", lock=lock, enabled=False, integrity=None, lock_timeout=1.0)
     calls = _WithBlocks(obs)
-    rounds, interrupted, leaked = _spread_storm(calls)
+    rounds, interrupted, leaked = spread_storm(calls)
     assert interrupted >= 300, (rounds, interrupted)
     assert leaked == 0, f"{leaked} of {interrupted} interrupted with-blocks left the lock held ({rounds} rounds)"
     assert calls.lock_is_free()
     calls()  # and the next with-block is neither a re-entry nor kept waiting
-
-
-class Interrupt(Exception):
-    pass
-
-
-_TRANSFER_CODE = (os.path.dirname(kvobs.__file__) + os.sep, __file__)
-
-
-def _interrupt_at(opcode: int) -> Callable[..., Any]:
-    """A trace function raising Interrupt before the `opcode`-th instruction run in the frames entered from now
-    on: what a signal handler raising there would do (a real one can only land where the interpreter checks
-    for signals; this lands on every instruction, a stricter test)."""
-    executed = [0]
-
-    def trace(frame: FrameType, event: str, arg: Any) -> Callable[..., Any] | None:
-        if not frame.f_code.co_filename.startswith(_TRANSFER_CODE):
-            return None  # e.g. a gc callback of another library: an exception there is only unraisable
-        frame.f_trace_opcodes = True
-        if event == "opcode":
-            executed[0] += 1
-            if executed[0] == opcode:
-                raise Interrupt
-        return trace
-
-    return trace
 
 
 @pytest.mark.parametrize("body", ["clean", "raising"])
@@ -364,7 +287,7 @@ def test_an_interrupt_at_any_instruction_of_the_exit_leaks_nothing(tmp_path, bod
     for opcode in range(1, 10_000):
         try:
             with obs.transfer("send", block_ids=[1, 2]):
-                sys.settrace(_interrupt_at(opcode))
+                sys.settrace(interrupt_at(opcode, __file__))
                 if body == "raising":
                     raise KeyError("the body failed")
             finished = True
@@ -416,7 +339,7 @@ def test_an_interrupt_at_any_instruction_of_an_async_exit_leaks_nothing(tmp_path
     async def block(opcode: int) -> None:
         try:
             async with obs.transfer("send", block_ids=[1, 2]):
-                sys.settrace(_interrupt_at(opcode))
+                sys.settrace(interrupt_at(opcode, __file__))
                 if body == "raising":
                     raise KeyError("the body failed")
         finally:

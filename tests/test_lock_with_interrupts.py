@@ -5,48 +5,20 @@ asynchronous exception lands anywhere in the with-statement's entry or exit (iss
 from __future__ import annotations
 
 import contextlib
-import os
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
-from types import FrameType
 from typing import Any
 
 import pytest
+from interrupts import Interrupt, interrupt_at, spread_storm
+from support import lock_is_free_from_other_thread
 
-import kvobs
 from kvobs.block_lock import BlockLock
 from kvobs.errors import LockTimeout
 from kvobs.locks import ProcessLock, ThreadLock
-from support import lock_is_free_from_other_thread
 
 pytestmark = pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
-
-
-class Interrupt(Exception):
-    pass
-
-
-_OWN_CODE = (os.path.dirname(kvobs.__file__) + os.sep, __file__)
-
-
-def _interrupt_at(opcode: int) -> Callable[..., Any]:
-    """A trace function raising Interrupt before the `opcode`-th instruction run in kvobs's (or this file's)
-    frames entered from now on: where a raising signal handler could land, and more."""
-    executed = [0]
-
-    def trace(frame: FrameType, event: str, arg: Any) -> Callable[..., Any] | None:
-        if not frame.f_code.co_filename.startswith(_OWN_CODE):
-            return None  # e.g. a gc callback of another library: an exception there is only unraisable
-        frame.f_trace_opcodes = True
-        if event == "opcode":
-            executed[0] += 1
-            if executed[0] == opcode:
-                raise Interrupt
-        return trace
-
-    return trace
 
 
 class _Direct:
@@ -141,13 +113,13 @@ def test_an_interrupt_at_any_instruction_of_a_with_lock_leaks_nothing(subject, p
     for opcode in range(1, 10_000):
         try:
             if phase == "enter":
-                sys.settrace(_interrupt_at(opcode))
+                sys.settrace(interrupt_at(opcode, __file__))
             with subject.context():
                 if phase == "enter":
                     sys.settrace(None)
                     finished = True
                 else:
-                    sys.settrace(_interrupt_at(opcode))
+                    sys.settrace(interrupt_at(opcode, __file__))
             finished = True
         except Interrupt:
             pass
@@ -188,7 +160,7 @@ def test_looking_the_exit_up_outside_a_with_statement_changes_nothing(subject):
 
 
 class _StormedWith:
-    """`with lock: pass` for the signal storm (test_lifecycle_reliability's), the body empty so that the
+    """`with lock: pass` for the signal storm (`interrupts.spread_storm`), the body empty so that the
     signals land on the entry and the exit."""
 
     def __init__(self, subject: Any) -> None:
@@ -207,10 +179,8 @@ class _StormedWith:
 
 def test_a_real_signal_storm_on_direct_with_locks_leaks_nothing(subject):
     """Real SIGALRMs every 30 us, each call letting 1-60 pass before one raises."""
-    from test_lifecycle_reliability import _spread_storm
-
     calls = _StormedWith(subject)
-    rounds, interrupted, leaked = _spread_storm(calls)
+    rounds, interrupted, leaked = spread_storm(calls)
     assert interrupted >= 100, (rounds, interrupted)  # aims at 300 within 15 s; a bare with-lock is brief
     assert leaked == 0, f"{leaked} of {interrupted} interrupted with-locks left the lock held ({rounds} rounds)"
     assert calls.lock_is_free()
