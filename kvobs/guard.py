@@ -5,9 +5,9 @@ Its specs name where the call's keys, block ids, cache, key, ... are found (see 
 once per decorated function. A call validates, takes the lock, checks the sources of a reading transfer,
 runs the function with the transfer's span current, then either completes the transfer (checking the
 destinations of a writing transfer) or, with `complete_later=`, leaves it open under its key until
-`obs.complete(path, key, ...)` ends it from wherever the engine learns the copy is done. A guard naming at most
-block ids, keys, `sync`, a byte count and a request id, on a ThreadLock or NullLock, runs its calls through
-the fast lane (`kvobs.fast_lane`, `kvobs.lane_values`).
+`obs.complete(path, key, ...)` ends it from wherever the engine learns the copy is done. A synchronous guard
+naming at most block ids, keys, `sync`, a byte count and a request id, on a ThreadLock or NullLock, holds the
+lock of its calls' transfers through the lifecycle's fast path (`kvobs.fast_lane`).
 
 Generators and async generators are refused at decoration: a guard would cover only the creation of the
 generator object, not the copy it performs while iterated. A plain function that returns a coroutine is
@@ -27,8 +27,8 @@ from opentelemetry import trace
 from kvobs.active import ACTIVE, with_added
 from kvobs.arguments import Resolver, SpecError, compile_specs
 from kvobs.errors import TransferRejected
-from kvobs.fast_lane import fast_call, refuse_awaitable
-from kvobs.lane_values import LANE_SPECS, lane_values
+from kvobs import fast_lane
+from kvobs.fast_lane import refuse_awaitable
 from kvobs.route import Route
 from kvobs.telemetry.tracing import call_in_span
 from kvobs.transfer import UNSET, CorruptHandler, Transfer
@@ -70,11 +70,8 @@ class Guard:
         if inspect.iscoroutinefunction(func):
             return functools.wraps(func)(self._async_wrapper(func, resolvers))
         general = self._sync_wrapper(func, resolvers)
-        lane = self.route.lane
-        if lane is not None and resolvers.keys() <= LANE_SPECS and self.result is None:
-            values = lane_values(self.route, resolvers) if resolvers else None
-            return functools.wraps(func)(fast_call(self.route, lane, func, general, values))
-        return functools.wraps(func)(general)
+        fast = None if self.result is not None else fast_lane.guarded(self.route, func, resolvers, general)
+        return functools.wraps(func)(general if fast is None else fast)
 
     def __enter__(self) -> None:
         raise TypeError(

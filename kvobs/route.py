@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvobs.cache_checks import CacheCheck
-from kvobs.fast_lane import lane_for
+from kvobs.fast_lane import lane_of
 from kvobs.locks import CacheLock, Claim
 from kvobs.open_transfers import OpenTransfers
 from kvobs.policy import IntegrityPolicy, Sampler
@@ -40,7 +40,4 @@ class Route:
     def __post_init__(self) -> None:
         self.whole_cache = Claim(self.path, (), not self.reads_blocks)
         self.conflicted = self.recorder.conflicted
-        # transfers (not lock holders such as the forward pass) on a lock that has one take the fast lane
-        self.lane = lane_for(self.lock) if self.open is not None else None
-        if self.lane is not None:
-            self.open.watch_lane(self.lane)
+        self.lane = lane_of(self)  # the lifecycle's fast path, for transfers on a lock that has one

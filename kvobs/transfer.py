@@ -1,6 +1,12 @@
-"""One transfer from its begin to its end: the only code in kvobs that takes and releases the cache lock and
-records an outcome. Every entry point (decorators, `with`, `obs.begin`, `obs.complete`, `obs.locked`)
-drives this class.
+"""One transfer from its begin to its end, and the one record of it: every entry point (decorators, `with`,
+`obs.begin`, `obs.complete`, `obs.locked`) drives a `Transfer`, and every outcome is recorded from one, through
+`Recorder.ended` (or `rejected` / `timed_out`).
+
+The lock is taken and released in one of two places. Here (the general path): a transfer that may wait for
+the lock, end on another thread, by key, or at a later step. In `kvobs.fast_lane` (the fast path): a
+synchronous guarded call naming only values it can validate, on a lock whose uncontended acquire is one C
+call; it holds through a reusable per-thread slot instead of the per-transfer bookkeeping below, and hands
+every call it cannot take (a busy lock, re-entry, a value that does not validate) to this path.
 
 States: new -> waiting -> held -> (submitted) -> done | failed | abandoned, or rejected / timed_out.
 A transfer may end on another thread than the one that began it (the copy completes in a pool thread, on a
@@ -13,7 +19,6 @@ Integrity checks run when the data is there: the sources of a reading transfer (
 lock is held and before the copy starts; the destinations of a writing transfer (prefetch) at completion,
 on the blocks that actually moved.
 """
-
 from __future__ import annotations
 
 import weakref
@@ -22,7 +27,7 @@ from collections.abc import Callable, Iterator
 from itertools import islice
 from time import perf_counter
 from types import MethodType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvobs import active, async_wait
 from kvobs import semconv as sc
@@ -30,7 +35,6 @@ from kvobs import transfer_checks as checks
 from kvobs.atomic import exit_releasing_when_dropped, one_shot_release
 from kvobs.errors import LockTimeout, ReentrantLockError, TransferRejected
 from kvobs.locks import Claim
-from kvobs.route import Route
 from kvobs.transfer_checks import UNSET
 from kvobs.validation import (
     Blocks,
@@ -42,12 +46,26 @@ from kvobs.validation import (
     validate_sync,
 )
 
+if TYPE_CHECKING:
+    from kvobs.route import Route
+
 NEW, WAITING, HELD, SUBMITTED = "new", "waiting", "held", "submitted"
 DONE, FAILED, ABANDONED, REJECTED, TIMED_OUT = "done", "failed", "abandoned", "rejected", "timed_out"
 _HOLDING = (HELD, SUBMITTED)
 _ONE_TOKEN = (True,)
+_NEW_OBJECT = object.__new__
 
 CorruptHandler = Callable[["Transfer", tuple[int, ...]], Any]
+
+
+def fast_path_transfer(route: Route) -> Transfer:
+    """A transfer whose lock `kvobs.fast_lane` takes and releases, claiming the whole cache: built without
+    `__init__`, whose one-shot token that path does not use (see `Transfer._ending`)."""
+    t = _NEW_OBJECT(Transfer)
+    t.route = route
+    t.path = route.path
+    t.claim = route.whole_cache
+    return t
 
 
 class _ExitOfWith:
@@ -121,18 +139,35 @@ class Transfer:
     _exit_watch: weakref.ref | None = None  # the `with` statement's exit callable, weakly (see _ExitOfWith)
     reported_moved: Blocks | None = None  # the blocks completion said moved (None: all of them)
     cache_info: Any = None  # what validation learned of `cache` (its layout), for the checks
+    # the one-shot token of who ends the transfer; a transfer held by the fast path has none of its own (the
+    # slot's pending release is its token there), so `complete` and `fail` on it change nothing
+    _ending: Iterator[bool] = iter(())
 
     def __init__(self, route: Route, *, keys: Any = None, cache: Any = None, nbytes: Any = None,
                  request_id: Any = None, key: Any = None, trace_context: Any = None,
                  moved_from: Callable[[Any], Any] | None = None, on_corrupt: CorruptHandler | None = None) -> None:
-        """The values are validated by `validate`; None means not given. Keywords, not a kwargs dict: building a
-        transfer is on every guarded call's path."""
+        """The values are validated by `validate`; None means not given, and leaves the class default. Keywords,
+        not a kwargs dict: building a transfer is on every guarded call's path."""
         self.route = route
         self.path = route.path
         self.claim = route.whole_cache  # until validate() finds the transfer's own blocks
         self._ending = iter(_ONE_TOKEN)
-        self.keys, self.cache, self.nbytes, self.request_id = keys, cache, nbytes, request_id
-        self.key, self.trace_context, self.moved_from, self.on_corrupt = key, trace_context, moved_from, on_corrupt
+        if keys is not None:
+            self.keys = keys
+        if cache is not None:
+            self.cache = cache
+        if nbytes is not None:
+            self.nbytes = nbytes
+        if request_id is not None:
+            self.request_id = request_id
+        if key is not None:
+            self.key = key
+        if trace_context is not None:
+            self.trace_context = trace_context
+        if moved_from is not None:
+            self.moved_from = moved_from
+        if on_corrupt is not None:
+            self.on_corrupt = on_corrupt
 
     # -- validation: before anything is locked ------------------------------------------------------------
 

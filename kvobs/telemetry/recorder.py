@@ -110,28 +110,28 @@ class Recorder:
         self.failed = failures
         self.holder = holder
         self.traces = self.tracer_source is not None and not holder
-        # an ok fast-lane call then needs only `counted_ok` (no hook, no log line; its span, if any, ended there)
-        self.counts_only = not self.hooks and _LEVEL[sc.OUTCOME_OK] < self.log_level
         self.block_bytes = block_bytes or 0
+        self._may_log = self.log_level <= max(_LEVEL.values())
+        # nothing to record at an end without a span: telemetry off and no hook
+        self._records_nothing = metrics is None and not self.hooks and not self._may_log
         self.lock_name = lock_name
         self.span_name = sc.span_name(path)
         self._static = {sc.ATTR_ENGINE: engine, sc.ATTR_PATH: path, sc.ATTR_LOCK_NAME: lock_name}
 
     # -- spans ------------------------------------------------------------------------------------------
 
-    def start_span(self, t: Ended | None, context: Any = None) -> Any:
+    def start_span(self, t: Ended, context: Any = None) -> Any:
         """A span for the transfer (not made current), or None when nothing traces. With a W3C trace context
-        carried from another node (`t.trace_context`), the span continues that trace. `t` None: a fast-lane
-        call that names nothing, so only the static attributes. `context`: the current otel Context when the
-        caller has it (the fast lane reads it once, for the SDK's parent and sampler lookups and for making the
-        span current); None: the SDK reads it, once per lookup."""
+        carried from another node (`t.trace_context`), the span continues that trace. `context`: the current otel
+        Context when the caller has it (the fast path reads it once, for the SDK's parent and sampler lookups
+        and for making the span current); None: the SDK reads it, once per lookup."""
         try:
             tracer = self.tracer_source.get()
             if tracer is None:
                 return None
-            parent = propagate.extract(t.trace_context, context) if t is not None and t.trace_context else context
+            parent = propagate.extract(t.trace_context, context) if t.trace_context else context
             span = tracer.start_span(self.span_name, context=parent, attributes=self._static)
-            if t is not None and span.is_recording():
+            if span.is_recording():
                 attributes = self._start_attributes(t)
                 if attributes:
                     span.set_attributes(attributes)
@@ -225,16 +225,32 @@ class Recorder:
     def ended(self, t: Ended) -> None:
         """The transfer is over (ok, error or abandoned): one record of everything. Written flat: every
         guarded call ends here."""
+        span = t.span
+        if self._records_nothing and span is None:
+            return
         try:
-            begin, acquired, end = t.t_begin, t.t_acquired, t.t_end
-            duration, wait, hold = (end - begin, acquired - begin, max(0.0, end - acquired)) if acquired else _ZEROS
-            span = t.span
+            acquired = t.t_acquired
+            if acquired:  # _timings, inlined
+                begin = t.t_begin
+                end = t.t_end
+                duration = end - begin
+                wait = acquired - begin
+                hold = end - acquired if end > acquired else 0.0
+            else:
+                duration, wait, hold = _ZEROS
+            moved = None
             if t.requests:
                 moved = self._moved(t)
-                blocks, nbytes = t.blocks.count, sum(map(_THIRD, moved))
+                blocks = t.blocks.count
+                nbytes = sum(map(_THIRD, moved))
             else:
-                blocks, nbytes = self._size(t.reported_moved if t.reported_moved is not None else t.blocks, t.nbytes)
-                moved = None
+                counted = t.reported_moved
+                if counted is None:
+                    counted = t.blocks
+                blocks = 0 if counted is None else counted.count
+                nbytes = t.nbytes
+                if nbytes is None:
+                    nbytes = blocks * self.block_bytes
             metrics = self.metrics
             if metrics is not None:
                 try:
@@ -251,7 +267,7 @@ class Recorder:
             if span is not None:
                 t.span = None
                 self._close_span(span, t.outcome, t.error, (wait, hold, nbytes))
-            level = _LEVEL.get(t.outcome, logging.ERROR)
+            level = _LEVEL.get(t.outcome, logging.ERROR) if self._may_log else logging.NOTSET
             if level >= self.log_level:
                 self._log(level, "kvobs.transfer", t, span, outcome=t.outcome, blocks=blocks, duration_s=duration,
                           lock_wait_s=wait, lock_hold_s=hold, error=_describe(t.error))
@@ -259,23 +275,6 @@ class Recorder:
                 self._hooks(t, moved or [(t.request_id, blocks, nbytes)])
         except Exception as exc:  # noqa: BLE001 - whatever this layer gets wrong, the engine's call is unaffected
             self.failed("metrics", exc)
-
-    def counted_ok(self, begin: float, end: float, given: Any = None, span: Any = None) -> None:
-        """`ended` for an ok fast-lane call (`kvobs.fast_lane`: no wait) when `counts_only` (no hook, no log
-        line): its one telemetry call. `given`: what the call named (`kvobs.lane_values.LaneValues`), or None;
-        `span`: the call's span, ended here, or None."""
-        held = end - begin
-        nbytes = 0
-        metrics = self.metrics
-        if metrics is not None:
-            try:
-                blocks, nbytes = (0, 0) if given is None else self._size(given.blocks, given.nbytes)
-                metrics.finished(sc.OUTCOME_OK, held, 0.0, held, blocks, nbytes,
-                                 None if span is None else self._exemplar(span))
-            except Exception as exc:  # noqa: BLE001
-                self.failed("metrics", exc)
-        if span is not None:
-            self._close_span(span, sc.OUTCOME_OK, None, (0.0, held, nbytes))
 
     # -- helpers ----------------------------------------------------------------------------------------
 
@@ -342,11 +341,6 @@ class Recorder:
         except Exception as exc:  # noqa: BLE001
             self.failed("logging", exc)
 
-    def _size(self, blocks: Any, nbytes: int | None) -> tuple[int, int]:
-        """(blocks, bytes) a transfer of `blocks` (Blocks, or None) moved: `nbytes` when given, else by block."""
-        count = blocks.count if blocks is not None else 0
-        return count, nbytes if nbytes is not None else count * self.block_bytes
-
     def _moved(self, t: Ended) -> list[tuple[Any, int, int]]:
         """(request id, blocks, bytes) per request of a batch; the batch's own `nbytes` shared out by blocks.
         When completion named the blocks that moved, each request counts those of its own."""
@@ -381,11 +375,12 @@ _THIRD = operator.itemgetter(2)
 
 def _timings(t: Ended) -> tuple[float, float, float]:
     """(duration, lock wait, lock hold) in seconds; zeros for a transfer refused before it waited."""
-    begin, acquired = t.t_begin, t.t_acquired
+    acquired = t.t_acquired
     if not acquired:
         return _ZEROS
+    begin = t.t_begin
     end = t.t_end
-    return end - begin, acquired - begin, max(0.0, end - acquired)
+    return end - begin, acquired - begin, end - acquired if end > acquired else 0.0
 
 
 def _describe(error: BaseException | None) -> str | None:
