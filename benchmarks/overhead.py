@@ -9,7 +9,9 @@ naming block ids, and keys too (the fast lane, validating them), and one naming 
 lifecycle); a batch of 64 requests per request; a recording span against the raw SDK span with the same
 attributes, and a sampled-off one against the raw sampled-off span; and the explicit begin + complete against
 the decorator, also as the engine integrations call it (under a key, with a request id and 16 block ids,
-completed by key). Cases run round-robin, a few thousand calls each per round; a ratio is the median of the
+completed by key), and exactly as the vLLM integration calls it per transfer (`check=`, a key, a request id, 16
+block ids, their bytes and a small cache whose sources are checked, or the check sampled out; then
+`open_transfer` by key and `complete`). Cases run round-robin, a few thousand calls each per round; a ratio is the median of the
 ratios taken within each round, steadier on a shared machine than the ratio of two medians.
 """
 
@@ -21,6 +23,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 from opentelemetry import trace as otel_trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import (
@@ -32,11 +35,16 @@ from opentelemetry.sdk.trace.export import (
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 from prometheus_client import CollectorRegistry, Histogram
 
+
 import kvobs
 from _timing import medians, per_round, rounds_ns
 from kvobs import semconv as sc
+from kvobs.policy import IntegrityPolicy
 
 BATCH = 64
+INTEGRATION_CHECKED = ("kvobs metrics only, as the vLLM integration calls it: begin(check, key, request_id, 16 block_ids, "
+                       "cache, nbytes) + open_transfer + complete, sources checked")
+INTEGRATION_UNCHECKED = INTEGRATION_CHECKED.replace("sources checked", "check sampled out")
 
 
 class DroppingExporter(SpanExporter):
@@ -125,6 +133,24 @@ def kvobs_cases(providers: dict[str, TracerProvider]) -> dict[str, Callable[[int
         keyed_begin(sc.PATH_SEND, key=rid, request_id=rid, block_ids=sixteen)
         keyed_complete(sc.PATH_SEND, rid)
 
+    integration_obs = kvobs.KVObserver("i", registry=CollectorRegistry(), integrity="raise")
+    reported = IntegrityPolicy("skip", skip_result=None)  # the integrations' default `report` mode
+    small_cache = np.zeros((64, 2, 16, 8), dtype=np.float16)
+    block_bytes = small_cache[0].nbytes
+
+    def as_integrations_call(check: Any) -> Callable[[], None]:
+        """What `kvobs.integrations.vllm.transfers.Transfers` does per transfer: begin under a key with a request
+        id, 16 block ids, their bytes and the cache to check (or `check=False` for a transfer the sampler
+        leaves out), then find it by key and complete it."""
+
+        def begin_find_complete() -> None:
+            rid = request_ids[next(turn) & 1023]
+            integration_obs.begin(sc.PATH_WRITE_BACK, check=check, key=rid, request_id=rid, block_ids=sixteen,
+                                  group_sizes=None, cache=small_cache, nbytes=16 * block_bytes, trace_context=None)
+            integration_obs.open_transfer(sc.PATH_WRITE_BACK, rid).complete()
+
+        return begin_find_complete
+
     batch_obs = observer("b")
     requests = {f"req-{i}": [i] for i in range(BATCH)}
 
@@ -156,6 +182,8 @@ def kvobs_cases(providers: dict[str, TracerProvider]) -> dict[str, Callable[[int
         "kvobs metrics only (obs.begin + t.complete)": loop(begin_complete),
         "kvobs metrics only, obs.begin(key, request_id, 16 block_ids) + obs.complete(path, key) (engine integrations)":
             loop(engine_shaped),
+        INTEGRATION_CHECKED: loop(as_integrations_call(reported)),
+        INTEGRATION_UNCHECKED: loop(as_integrations_call(False)),
         f"kvobs metrics only, batch of {BATCH} requests (one call)": loop(lambda: send_batch(requests)),
         **tracing_cases(providers),
         "kvobs disabled (lock and fast lane, no telemetry)": loop(decorated(observer("d", enabled=False))),
@@ -239,6 +267,10 @@ def comparisons(ns: dict[str, float]) -> list[tuple[str, float]]:
         ("obs.begin + t.complete / decorator", ns["kvobs metrics only (obs.begin + t.complete)"] / metrics),
         ("sampled off / (raw SDK span sampled off + metrics only)",
          ns["kvobs + SDK tracing, sampled off"] / (raw_off + metrics)),
+        ("as the vLLM integration calls it, sources checked / bare with threading.Lock()",
+         ns[INTEGRATION_CHECKED] / ns["with threading.Lock()"]),
+        ("as the vLLM integration calls it, check sampled out / bare with threading.Lock()",
+         ns[INTEGRATION_UNCHECKED] / ns["with threading.Lock()"]),
     ]
 
 if __name__ == "__main__":
