@@ -62,9 +62,11 @@ def prometheus_finished(registry: CollectorRegistry) -> Callable[..., None]:
                          buckets=sc.DEFAULT_LATENCY_BUCKETS).labels("b", "send", OK)
     lock_histograms = Histogram("p_lock", "l", labels[sc.LOCK_WAIT_SECONDS], registry=registry,
                                 buckets=sc.DEFAULT_LATENCY_BUCKETS)
-    wait, hold = lock_histograms.labels("b", "cache", "send"), lock_histograms.labels("b", "cache", "hold")
+    wait = lock_histograms.labels("b", "cache", "send")
+    hold = lock_histograms.labels("b", "cache", "hold")
     blocks_bytes = Counter("p_moved", "m", labels[sc.TRANSFER_BLOCKS_TOTAL], registry=registry)
-    blocks, nbytes = blocks_bytes.labels("b", "send"), blocks_bytes.labels("b", "bytes")
+    blocks = blocks_bytes.labels("b", "send")
+    nbytes = blocks_bytes.labels("b", "bytes")
 
     def finished(outcome, duration_s, wait_s, hold_s, n_blocks, n_bytes, exemplar):
         transfers.inc()
@@ -93,7 +95,9 @@ def issue_prototype() -> Callable[[], None]:
         t1 = clock()
         lock.release()
         t2 = clock()
-        wait, hold, duration = t1 - t0, t2 - t1, t2 - t0
+        wait = t1 - t0
+        hold = t2 - t1
+        duration = t2 - t0
         wait_buckets[bisect_left(bounds, wait)] += 1
         sums[0] += wait
         hold_buckets[bisect_left(bounds, hold)] += 1

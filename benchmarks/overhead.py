@@ -122,9 +122,11 @@ def kvobs_cases(providers: dict[str, TracerProvider]) -> dict[str, Callable[[int
     def begin_complete() -> None:
         begin(sc.PATH_WRITE_BACK).complete()
 
-    request_ids, sixteen = [f"req-{i}" for i in range(1024)], list(range(16))
+    request_ids = [f"req-{i}" for i in range(1024)]
+    sixteen = list(range(16))
     engine_shaped_obs = observer("e")
-    keyed_begin, keyed_complete = engine_shaped_obs.begin, engine_shaped_obs.complete
+    keyed_begin = engine_shaped_obs.begin
+    keyed_complete = engine_shaped_obs.complete
     turn = itertools.count()
 
     def engine_shaped() -> None:
@@ -158,8 +160,11 @@ def kvobs_cases(providers: dict[str, TracerProvider]) -> dict[str, Callable[[int
     def send_batch(reqs: dict[str, list[int]]) -> None:
         return None
 
-    blocks_obs, keyed_obs, grouped_obs = observer("g"), observer("k"), observer("q")
-    ids, keys = [1, 2, 3, 4], ["k1", "k2", "k3", "k4"]
+    blocks_obs = observer("g")
+    keyed_obs = observer("k")
+    grouped_obs = observer("q")
+    ids = [1, 2, 3, 4]
+    keys = ["k1", "k2", "k3", "k4"]
 
     @blocks_obs.write_back(block_ids="block_ids")
     def write_blocks(block_ids: list[int]) -> None:
@@ -205,7 +210,8 @@ def tracing_cases(providers: dict[str, TracerProvider]) -> dict[str, Callable[[i
 
     cases = {}
     for processor in ("batch", "simple"):
-        raw_provider, kvobs_provider = providers[f"raw {processor}"], providers[f"recording {processor}"]
+        raw_provider = providers[f"raw {processor}"]
+        kvobs_provider = providers[f"recording {processor}"]
         cases[f"raw SDK span with kvobs's attributes (not current), {processor} processor"] = flushed(
             loop(raw_span(raw_provider.get_tracer("bench"))), raw_provider)
         kvobs_obs = observer(f"r-{processor}", tracer_provider=kvobs_provider)
@@ -238,7 +244,8 @@ def main() -> None:
     args = parser.parse_args()
     providers = {f"{role} {processor}": sdk_provider(True, batch=processor == "batch")
                  for role in ("raw", "recording") for processor in ("batch", "simple")}
-    providers["off"], providers["raw off"] = sdk_provider(False), sdk_provider(False)
+    providers["off"] = sdk_provider(False)
+    providers["raw off"] = sdk_provider(False)
     cases = {**baselines(), **kvobs_cases(providers)}
     rounds = rounds_ns(cases, args.n, args.repeats)
     for provider in providers.values():

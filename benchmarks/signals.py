@@ -43,7 +43,8 @@ def new_metrics() -> tuple[CollectorRegistry, EngineMetrics]:
 def baseline_dict_lock(n: int, offset: int = 0, lock: Any = None) -> int:
     """ns for n bare dict operations (a set and a pop, alternating), each under a threading.Lock: the least any
     locked buffer operation can cost."""
-    lock, d = lock or threading.Lock(), {}
+    lock = lock or threading.Lock()
+    d = {}
     t0 = time.perf_counter_ns()
     for i in range(n // 2):
         with lock:
@@ -80,7 +81,9 @@ def floor_ns(slots: int) -> int:
 
 def phases(buf: EarlySignalBuffer, slots: int) -> dict[str, int]:
     """ns over all slots for each operation, in the order a slot lives through them; the buffer ends empty."""
-    signal, register, finish = buf.signal, buf.register, buf.finish
+    signal = buf.signal
+    register = buf.register
+    finish = buf.finish
     r = range(slots)
     clock = time.perf_counter_ns
     t0 = clock()
@@ -155,7 +158,8 @@ def threaded(slots: int, rounds: int) -> tuple[float, float]:
     buf = EarlySignalBuffer(metrics=new_metrics()[1], max_pending=slots)
     lock = threading.Lock()
     per_round = 7 * share  # calls per worker in one _offset_phases()
-    buffer_ns, base_ns = [], []
+    buffer_ns = []
+    base_ns = []
     for _ in range(max(1, rounds // 10)):
         buffer_ns.append(run(lambda k: [_offset_phases(buf, k * share, share) for _ in range(5)]) / (15 * per_round))
         base_ns.append(run(lambda k: [baseline_dict_lock(per_round, k * 1024, lock) for _ in range(5)])

@@ -12,6 +12,7 @@ from collections import OrderedDict
 from typing import Any
 
 from kvobs.errors import TransferRejected
+from kvobs.integrity.check import check_blocks  # imports nothing heavy: NumPy and torch load with a cache
 
 
 class CacheCheck:
@@ -50,6 +51,4 @@ class CacheCheck:
     @staticmethod
     def check(layout: Any, block_ids: tuple[int, ...]) -> Any:
         """The NaN/Inf check of `block_ids` in a cache validated by `inspect`."""
-        from kvobs.integrity import check_blocks
-
         return check_blocks(layout, block_ids)

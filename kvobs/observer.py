@@ -253,18 +253,18 @@ class KVObserver:
             self.metrics.bind_open_transfers(path, self.open, lambda table: table.count(path),
                                              lambda table: table.oldest_age(path))
         return Route(
-            engine=self.engine, path=path, lock=self.lock, lock_timeout=self.lock_timeout,
-            deadline_s=self.deadline, reads_blocks=path in self.reading_paths, policy=policy,
+            path=path, lock=self.lock, lock_timeout=self.lock_timeout, deadline_s=self.deadline,
+            reads_blocks=path in self.reading_paths, policy=policy,
             sampler=policy.sampler() if policy is not None else None, capacity=self.capacity,
-            block_bytes=self.block_bytes, page_size=self.page_size, sync_required=path in self.sync_required,
+            page_size=self.page_size, sync_required=path in self.sync_required,
             recorder=recorder, open=self.open, caches=self._caches,
         )
 
     def _holder_route(self, holder: str) -> Route:
         return Route(
-            engine=self.engine, path=holder, lock=self.lock, lock_timeout=self.lock_timeout,
-            deadline_s=self.deadline, reads_blocks=False, policy=None, sampler=None, capacity=self.capacity,
-            block_bytes=None, page_size=self.page_size, sync_required=False,
+            path=holder, lock=self.lock, lock_timeout=self.lock_timeout, deadline_s=self.deadline,
+            reads_blocks=False, policy=None, sampler=None, capacity=self.capacity, page_size=self.page_size,
+            sync_required=False,
             recorder=self._recorder(holder, holder=True), open=None, caches=self._caches,
         )
 

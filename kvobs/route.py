@@ -21,7 +21,6 @@ from kvobs.telemetry.recorder import Recorder
 class Route:
     """The settings and collaborators of one path (or lock holder) of one observer."""
 
-    engine: str
     path: str
     lock: CacheLock
     lock_timeout: float
@@ -30,7 +29,6 @@ class Route:
     policy: IntegrityPolicy | None
     sampler: Sampler | None
     capacity: int | None
-    block_bytes: int | None
     page_size: int | None
     sync_required: bool
     recorder: Recorder

@@ -49,8 +49,15 @@ from kvobs.validation import (
 if TYPE_CHECKING:
     from kvobs.route import Route
 
-NEW, WAITING, HELD, SUBMITTED = "new", "waiting", "held", "submitted"
-DONE, FAILED, ABANDONED, REJECTED, TIMED_OUT = "done", "failed", "abandoned", "rejected", "timed_out"
+NEW = "new"
+WAITING = "waiting"
+HELD = "held"
+SUBMITTED = "submitted"
+DONE = "done"
+FAILED = "failed"
+ABANDONED = "abandoned"
+REJECTED = "rejected"
+TIMED_OUT = "timed_out"
 _HOLDING = (HELD, SUBMITTED)
 _ONE_TOKEN = (True,)
 _NEW_OBJECT = object.__new__
@@ -217,7 +224,9 @@ class Transfer:
         mine: list = []
         mine.extend(islice(self._ending, 1))
         if mine:
-            self.state, self.outcome, self.error = REJECTED, sc.OUTCOME_REJECTED, exc
+            self.state = REJECTED
+            self.outcome = sc.OUTCOME_REJECTED
+            self.error = exc
             self.route.recorder.rejected(self)
 
     # -- acquisition ----------------------------------------------------------------------------------------
@@ -294,7 +303,10 @@ class Transfer:
         mine.extend(islice(self._ending, 1))
         self._release()
         if mine:
-            self.state, self.outcome, self.error, self.t_end = TIMED_OUT, sc.OUTCOME_TIMEOUT, exc, self.t_acquired
+            self.state = TIMED_OUT
+            self.outcome = sc.OUTCOME_TIMEOUT
+            self.error = exc
+            self.t_end = self.t_acquired
             route.recorder.timed_out(self)
         raise exc
 
@@ -410,7 +422,9 @@ class Transfer:
             result = self._finish(result, moved)
         except BaseException as exc:
             if mine:
-                self.state, self.outcome, self.error = FAILED, sc.OUTCOME_ERROR, exc
+                self.state = FAILED
+                self.outcome = sc.OUTCOME_ERROR
+                self.error = exc
             raise
         finally:
             if mine:
@@ -424,7 +438,9 @@ class Transfer:
         try:
             mine.extend(islice(self._ending, 1))
             if mine:
-                self.state, self.outcome, self.error = FAILED, sc.OUTCOME_ERROR, error
+                self.state = FAILED
+                self.outcome = sc.OUTCOME_ERROR
+                self.error = error
         finally:
             if mine:
                 self._release()
@@ -445,7 +461,8 @@ class Transfer:
         try:
             mine.extend(islice(self._ending, 1))
             if mine:
-                self.state, self.outcome = state, outcome
+                self.state = state
+                self.outcome = outcome
         finally:
             if mine:
                 self._release()
@@ -454,13 +471,15 @@ class Transfer:
     def _finish(self, result: Any, moved: Any) -> Any:
         route = self.route
         if route.policy is None and moved is None and self.moved_from is None:  # nothing to check or count
-            self.state, self.outcome = DONE, sc.OUTCOME_OK
+            self.state = DONE
+            self.outcome = sc.OUTCOME_OK
             return result  # the general path below would end the same way, only later
         if moved is None and self.moved_from is not None:
             moved = self.moved_from(result)
         if moved is not None:
             self.reported_moved = resolve_blocks(self.path, moved, capacity=route.capacity, page_size=route.page_size)
-        self.state, self.outcome = DONE, sc.OUTCOME_OK
+        self.state = DONE
+        self.outcome = sc.OUTCOME_OK
         if not route.reads_blocks and route.policy is not None:
             replacement = checks.replacement(self, self.reported_moved or self.blocks, can_replace=True)
             if replacement is not UNSET:
@@ -470,7 +489,8 @@ class Transfer:
 
     def _ended(self) -> None:
         if self.outcome is None:  # the ending code was interrupted before it said how it ended
-            self.state, self.outcome = FAILED, sc.OUTCOME_ERROR
+            self.state = FAILED
+            self.outcome = sc.OUTCOME_ERROR
         self.t_end = perf_counter()
         if async_wait.waiting:
             async_wait.wake_waiters(self.route.lock)

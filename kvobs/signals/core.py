@@ -107,7 +107,8 @@ class SignalBufferCore:
         self._reporter = SignalReporter(self._lock, self._pending, metrics, logger, log_level, clock)
         self._describe_recoveries = self._reporter.describes(sc.SIGNAL_RECOVERED)
         self._tally = self._reporter.tally
-        self._counts, self._waits = self._tally.counts, self._tally.waits
+        self._counts = self._tally.counts
+        self._waits = self._tally.waits
         _renewed_after_fork.add(self)
         if metrics is not None:
             weakref.finalize(self, self._tally.flush)  # counts of a buffer the engine drops are kept
@@ -171,14 +172,16 @@ class SignalBufferCore:
         if task is not None:
             if layer:
                 if tokens > task[TOKENS] or (tokens == task[TOKENS] and layer > task[LAYER]):
-                    task[TOKENS], task[LAYER] = tokens, layer
+                    task[TOKENS] = tokens
+                    task[LAYER] = layer
                 return False
             if tokens > task[NEED]:
                 self._counts[INVALID] += 1
                 out.append(decision(sc.SIGNAL_DROPPED_INVALID, slot, tokens, task[NEED], 0.0))
                 return False
             if tokens > task[TOKENS]:
-                task[TOKENS], task[LAYER] = tokens, 0
+                task[TOKENS] = tokens
+                task[LAYER] = 0
             self._counts[READY] += 1
             return True
         if not layer:
@@ -237,7 +240,8 @@ class SignalBufferCore:
                 self._tally.dropped(INVALID)
                 out.append(decision(sc.SIGNAL_DROPPED_INVALID, slot, entry[KEPT_TOKENS], need, wall - entry[WALL]))
             return None
-        tokens, waited = entry[KEPT_TOKENS], wall - entry[WALL]
+        tokens = entry[KEPT_TOKENS]
+        waited = wall - entry[WALL]
         self._live[slot] = [need, tokens, 0]
         self._note_recovery_locked(waited)
         if self._describe_recoveries:
@@ -263,7 +267,8 @@ class SignalBufferCore:
 
     def _expire_locked(self, now: float, wall: float, out: list[Decision]) -> None:
         """Drop the pending signals older than the TTL: the oldest ones, found in one walk from the front."""
-        pending, ttl = self._pending, self._ttl
+        pending = self._pending
+        ttl = self._ttl
         expired = []
         self._expire_at = EXPIRY_DUE
         for slot, entry in pending.items():

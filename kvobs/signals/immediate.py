@@ -71,7 +71,9 @@ class EarlySignalBuffer(SignalBufferCore):
         (a layer0 signal for a registered task), with these tokens."""
         if not (type(slot) is int and type(layer) is int and type(tokens) is int
                 and slot >= 0 and layer >= 0 and tokens >= 0):
-            slot, layer, tokens = as_int(slot, "slot"), as_int(layer, "layer"), as_int(tokens, "tokens")
+            slot = as_int(slot, "slot")
+            layer = as_int(layer, "layer")
+            tokens = as_int(tokens, "tokens")
         lock = self._held
         with lock:  # the fast path: the same decisions as SignalBufferCore._signal_locked, see the class docstring
             live = self._live
@@ -79,11 +81,13 @@ class EarlySignalBuffer(SignalBufferCore):
                 task = live[slot]
                 if layer:
                     if tokens > task[1] or (tokens == task[1] and layer > task[2]):  # task: [need, tokens, layer]
-                        task[1], task[2] = tokens, layer
+                        task[1] = tokens
+                        task[2] = layer
                     return False
                 if tokens <= task[0]:
                     if tokens > task[1]:
-                        task[1], task[2] = tokens, 0
+                        task[1] = tokens
+                        task[2] = 0
                     self._counts[READY] += 1
                     return True
             elif layer:
@@ -137,7 +141,8 @@ class EarlySignalBuffer(SignalBufferCore):
         beyond `max_slots` raises SignalBufferFull. Neither changes anything.
         """
         if not (type(slot) is int and type(need_tokens) is int and slot >= 0 and need_tokens >= 0):
-            slot, need_tokens = as_int(slot, "slot"), as_int(need_tokens, "need_tokens")
+            slot = as_int(slot, "slot")
+            need_tokens = as_int(need_tokens, "need_tokens")
         with self._held:  # the fast path: the same decisions as _registered() below, see the class docstring
             pending = self._pending
             entry = pending.get(slot)  # one lookup where a signal waits (`in` then `[]` is two)

@@ -45,11 +45,13 @@ def step_batch(layer: Any, slots: Sequence[int] | Any, tokens: Sequence[int] | A
         if count <= 0:
             return 0, [], []
     layer = as_int(layer, "layer")
-    slot_list, token_list = int_list(slots, "slot"), int_list(tokens, "tokens")
+    slot_list = int_list(slots, "slot")
+    token_list = int_list(tokens, "tokens")
     if len(slot_list) != len(token_list):
         raise ValueError(f"{len(slot_list)} slots but {len(token_list)} token counts")
     if count is not None:
         if count > len(slot_list):
             raise ValueError(f"count {count} exceeds the {len(slot_list)} slots given")
-        slot_list, token_list = slot_list[:count], token_list[:count]
+        slot_list = slot_list[:count]
+        token_list = token_list[:count]
     return layer, slot_list, token_list

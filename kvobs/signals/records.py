@@ -54,7 +54,11 @@ NO_PROGRESS = Progress(-1, -1)
 
 # A registered slot's task: the list [need_tokens, tokens, layer], the last two the furthest (tokens, layer)
 # signalled for it, (-1, -1) before any. A list: progress updates it in place on every signal.
-NEED, TOKENS, LAYER = 0, 1, 2
+NEED = 0
+TOKENS = 1
+LAYER = 2
 # A pending early signal: the tuple (tokens, since, wall), `since` in decision time (seconds, or steps when
 # step-aligned), `wall` in clock seconds for ages. A repeat replaces it, keeping `since` and `wall`.
-KEPT_TOKENS, SINCE, WALL = 0, 1, 2
+KEPT_TOKENS = 0
+SINCE = 1
+WALL = 2

@@ -81,7 +81,9 @@ class Tally:
 
     def flush_locked(self) -> None:
         """Move everything counted into the metric children; a child that raises loses its delta, counted."""
-        counts, waits, pending = self.counts, self.waits, len(self._pending)
+        counts = self.counts
+        waits = self.waits
+        pending = len(self._pending)
         counts[RECOVERED] += len(waits)
         counts[BUFFERED] = pending - self._pending_then + counts[RECOVERED] + counts[DROPPED_PENDING]
         self._pending_then = pending

@@ -80,7 +80,9 @@ class StepAlignedSignalBuffer(SignalBufferCore):
 
     def signal(self, slot: int, layer: int, tokens: int) -> None:
         """Record that layer `layer` of `slot` holds `tokens` prompt tokens (cumulative), for `end_step()`."""
-        slot, layer, tokens = as_int(slot, "slot"), as_int(layer, "layer"), as_int(tokens, "tokens")
+        slot = as_int(slot, "slot")
+        layer = as_int(layer, "layer")
+        tokens = as_int(tokens, "tokens")
         out: list[Decision] = []
         with self._held:
             self._stage_signal_locked(slot, layer, tokens, out)
@@ -116,8 +118,11 @@ class StepAlignedSignalBuffer(SignalBufferCore):
             self._step += 1
             step = self._step
             self._wall = wall = self._clock()
-            calls, signals = self._staged_calls, self._staged_signals
-            self._staged_calls, self._staged_signals, self._staged_heap = {}, {}, []
+            calls = self._staged_calls
+            signals = self._staged_signals
+            self._staged_calls = {}
+            self._staged_signals = {}
+            self._staged_heap = []
             self._staged_call_count = 0
             self._expire_locked(step, wall, out)
             for slot in sorted(calls):

@@ -267,7 +267,8 @@ class _LockedFamily(_Family):
 
     def renew_after_fork(self, lock: threading.Lock) -> None:
         super().renew_after_fork(lock)
-        old, self.lock = self.lock, lock
+        old = self.lock
+        self.lock = lock
         for child in self.children.values():
             if child.lock is old:  # a child with a lock of its own (the process-wide one) keeps it
                 child.lock = lock

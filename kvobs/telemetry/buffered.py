@@ -25,7 +25,8 @@ from kvobs.telemetry.path_metrics import HolderMetrics, LockSeries, PathMetrics
 
 __all__ = ["BufferedHolderMetrics", "BufferedPathMetrics"]
 
-_SECOND, _THIRD = operator.itemgetter(1), operator.itemgetter(2)
+_SECOND = operator.itemgetter(1)
+_THIRD = operator.itemgetter(2)
 _TRANSFER_WIDTH = 7  # outcome, duration, wait, hold, blocks, bytes, (exemplar, time) or None
 _HOLDER_WIDTH = 3  # wait, hold, (exemplar, time) or None
 _now = time.time
@@ -93,7 +94,8 @@ class BufferedPathMetrics(_Buffered, PathMetrics):
         batches = [self.lock_wait.prepare(values[2::w]), self.lock_hold.prepare(values[3::w])]
         if outcomes.count(sc.OUTCOME_OK) == count:
             batches.append(self.duration[sc.OUTCOME_OK].prepare(values[1::w]))
-            moved_blocks, moved_bytes = _total(values[4::w]), _total(values[5::w])
+            moved_blocks = _total(values[4::w])
+            moved_bytes = _total(values[5::w])
             increments = [(self.transfers[sc.OUTCOME_OK], count)]
         else:
             by_outcome: dict[str, list[float]] = {}
@@ -116,7 +118,8 @@ class BufferedPathMetrics(_Buffered, PathMetrics):
         exemplars = values[6::w]
         if exemplars.count(None) == len(exemplars):
             return {}
-        wait_cell, duration_cells = self.lock_wait, self.duration
+        wait_cell = self.lock_wait
+        duration_cells = self.duration
         newest_first = zip(reversed(exemplars), reversed(outcomes), reversed(values[1::w]), reversed(values[2::w]))
         return _latest(((cell, amount, exemplar) for exemplar, outcome, duration, wait in newest_first if exemplar
                         for cell, amount in ((wait_cell, wait), (duration_cells[outcome], duration))), wanted)
