@@ -261,8 +261,11 @@ class Transfer:
             held = self._held = deque()
             self._release = one_shot_release(held)
         self.state = WAITING
-        if route.recorder.traces:
-            self.span = route.recorder.start_span(self)
+        recorder = route.recorder
+        if recorder.traces:  # as the fast path: no call into the recorder while no tracer is set up
+            tracing = recorder.tracer_source
+            if tracing.tracer is not None or perf_counter() >= tracing.recheck_at:
+                self.span = recorder.start_span(self)
         self.t_begin = perf_counter()
         return route
 
