@@ -114,6 +114,9 @@ class Recorder:
         self._may_log = self.log_level <= max(_LEVEL.values())
         # nothing to record at an end without a span: telemetry off and no hook
         self._records_nothing = metrics is None and not self.hooks and not self._may_log
+        # an ok transfer without a span then only counts: no hook, no log line, not a lock holder
+        self._ok_counts_only = (metrics is not None and not self.hooks and not holder
+                                and _LEVEL[sc.OUTCOME_OK] < self.log_level)
         self.lock_name = lock_name
         self.span_name = sc.span_name(path)
         self._static = {sc.ATTR_ENGINE: engine, sc.ATTR_PATH: path, sc.ATTR_LOCK_NAME: lock_name}
@@ -226,7 +229,7 @@ class Recorder:
         """The transfer is over (ok, error or abandoned): one record of everything. Written flat: every
         guarded call ends here."""
         span = t.span
-        if self._records_nothing and span is None:
+        if span is None and self._records_nothing:
             return
         try:
             acquired = t.t_acquired
@@ -252,6 +255,9 @@ class Recorder:
                 if nbytes is None:
                     nbytes = blocks * self.block_bytes
             metrics = self.metrics
+            if moved is None and span is None and self._ok_counts_only and t.outcome == sc.OUTCOME_OK:
+                metrics.finished(sc.OUTCOME_OK, duration, wait, hold, blocks, nbytes, None)  # all that records it
+                return
             if metrics is not None:
                 try:
                     if self.holder:
