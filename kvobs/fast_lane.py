@@ -197,7 +197,9 @@ def guarded(route: Any, func: Callable[..., Any], resolvers: dict[str, Callable[
             t = validated(args, kwargs)
             if t is None:
                 return general(*args, **kwargs)
-        t.t_begin = t.t_acquired = t0 = perf_counter()
+        t0 = perf_counter()
+        t.t_begin = t0
+        t.t_acquired = t0  # a free lock at the first try: no wait
         slot.t = t
         span = context = None
         try:

@@ -24,10 +24,10 @@ from typing import Any
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
+from kvobs import fast_lane
 from kvobs.active import ACTIVE, with_added
 from kvobs.arguments import Resolver, SpecError, compile_specs
 from kvobs.errors import TransferRejected
-from kvobs import fast_lane
 from kvobs.fast_lane import refuse_awaitable
 from kvobs.route import Route
 from kvobs.telemetry.tracing import call_in_span
