@@ -28,7 +28,7 @@ from test_integration_sglang_support import (  # noqa: F401  (engine: a fixture)
 from kvobs import semconv as sc
 from kvobs.errors import CorruptKVError
 from kvobs.integrations import sglang as kvobs_sglang
-from kvobs.integrations.sglang.errors import CopyNotConfirmed
+from kvobs.errors import CopyNotConfirmed
 from kvobs.telemetry.recorder import TransferRecord
 from kvobs.testing import capture
 

@@ -18,20 +18,11 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from kvobs import semconv as sc
-from kvobs.errors import KVObsError
+from kvobs.errors import KVObsError, SendFailed
 from kvobs.integrations.fastdeploy.patching import Patches
 from kvobs.observer import KVObserver
 
 TRACE_KEY = "kvobs_trace"  # in a request's `disaggregate_info`: the prefill send's W3C trace context
-
-
-class SendFailed(KVObsError, RuntimeError):
-    """The prefill node's cache messagers reported an error status for the request's send."""
-
-    fields = ("request_id", "status")
-
-    def message(self) -> str:
-        return f"the cache send of request {self.request_id!r} ended with status {self.status!r}"
 
 
 def instrument_prefill_connector(connector: Any, obs: KVObserver) -> Patches:

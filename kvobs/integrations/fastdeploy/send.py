@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvobs import semconv as sc
-from kvobs.errors import KVObsError
+from kvobs.errors import LaunchFailed
 from kvobs.integrations.fastdeploy.kvcache import per_layer
 from kvobs.integrations.fastdeploy.patching import Patches
 from kvobs.locks import Claim
@@ -25,15 +25,6 @@ from kvobs.observer import KVObserver
 
 _SEQUENCE = itertools.count()  # send keys unique in the process, whatever observer and manager they are for
 WRITE_ERROR = 1  # a non-zero `write_cache` return code: the messager marks the request "write cache error"
-
-
-class LaunchFailed(KVObsError, RuntimeError):
-    """`write_cache` returned an error code: the copy was not launched (the send transfer's error)."""
-
-    fields = ("remote_gpu_id", "layer_idx", "code")
-
-    def message(self) -> str:
-        return f"write_cache to GPU {self.remote_gpu_id}, layer {self.layer_idx}, returned {self.code}: not launched"
 
 
 def instrument_ipc_comm_manager(comm: Any, obs: KVObserver) -> Patches:

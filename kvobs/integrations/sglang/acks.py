@@ -16,8 +16,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from kvobs.errors import KVObsError
-from kvobs.integrations.sglang.errors import CopyNotConfirmed
+from kvobs.errors import CopyNotConfirmed, KVObsError
 from kvobs.transfer import Transfer
 
 

@@ -23,10 +23,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvobs import semconv as sc
-from kvobs.errors import CorruptKVError, KVObsError, LockTimeout
+from kvobs.errors import CopyNotConfirmed, CorruptKVError, KVObsError, LockTimeout
 from kvobs.integrations.sglang.acks import AckList, AckWatcher
 from kvobs.integrations.sglang.common import HookErrors, node_id, refuse_global_lock
-from kvobs.integrations.sglang.errors import CopyNotConfirmed
 from kvobs.integrations.sglang.pages import PageIds, page_views
 from kvobs.integrations.sglang.patching import Patches, is_instrumented
 from kvobs.observer import KVObserver

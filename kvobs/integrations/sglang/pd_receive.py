@@ -20,10 +20,9 @@ from collections.abc import Callable
 from typing import Any
 
 from kvobs import semconv as sc
-from kvobs.errors import CorruptKVError, KVObsError
+from kvobs.errors import CopyNotConfirmed, CorruptKVError, KVObsError
 from kvobs.integrations.sglang.carrier import RoomCarriers, split_trace_context
 from kvobs.integrations.sglang.common import RoomHooks
-from kvobs.integrations.sglang.errors import CopyNotConfirmed
 from kvobs.integrations.sglang.pd_caches import ManagerCaches
 from kvobs.observer import KVObserver
 

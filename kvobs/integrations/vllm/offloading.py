@@ -21,11 +21,8 @@ from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 from kvobs import semconv as sc
-from kvobs.integrations.vllm.transfers import (
-    EngineReportedFailure,
-    StaleSource,
-    Transfers,
-)
+from kvobs.errors import EngineReportedFailure, StaleSource
+from kvobs.integrations.vllm.transfers import Transfers
 
 
 class LoadFailure(NamedTuple):

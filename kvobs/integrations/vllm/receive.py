@@ -13,8 +13,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvobs import semconv as sc
+from kvobs.errors import EngineReportedFailure
 from kvobs.integrations.vllm.offloading import LoadFailure
-from kvobs.integrations.vllm.transfers import EngineReportedFailure, Transfers
+from kvobs.integrations.vllm.transfers import Transfers
 
 NULL_BLOCK = 0  # vLLM's placeholder for a block a KV group does not hold (e.g. out of a sliding window)
 
