@@ -75,6 +75,7 @@ class CacheLock(Protocol):
 
 
 UNKNOWN_HOLDER = "unknown"
+_CONSTRUCTED = object()  # `acquire()` without a timeout: the one the lock was built with
 _NO_WAIT = (False,)
 _DIRECT = Claim("direct")
 
@@ -145,11 +146,14 @@ class _ExclusiveLock:
         since = self.held_since
         return perf_counter() - since if since and self._mutex_locked() else 0.0
 
-    def acquire(self, timeout: float | None = None) -> bool:
-        """Take the lock outside a kvobs guard; True when acquired, False when `timeout` expired.
+    def acquire(self, timeout: float | None | object = _CONSTRUCTED) -> bool:
+        """Take the lock outside a kvobs guard; True when acquired, False when `timeout` expired (left out:
+        the timeout the lock was built with; None waits for ever).
 
         An exception while waiting (Ctrl-C) leaves nothing held: the steps taken so far are undone here,
         since `with` calls no __exit__ for an __enter__ that raised."""
+        if timeout is _CONSTRUCTED:
+            timeout = self.timeout
         mine: Held = deque()
         try:
             if not self.acquire_into(mine, _DIRECT, timeout):

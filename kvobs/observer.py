@@ -45,7 +45,8 @@ class KVObserver:
     engine: a low-cardinality label value naming the engine (never a request or node id).
     lock: the cache lock transfers take (`ThreadLock()` by default; `ProcessLock(name)` across worker
         processes; `BlockLock(name, num_blocks)` to lock blocks, not the whole cache; None: observe only).
-    lock_timeout: seconds to wait for the lock before LockTimeout (env KVOBS_LOCK_TIMEOUT, default 30).
+    lock_timeout: seconds to wait for the lock before LockTimeout (default: the timeout the lock was built with,
+        else env KVOBS_LOCK_TIMEOUT, else 30).
     deadline: seconds an open transfer (begun, or left open by `complete_later=`) may wait for its
         completion before it is abandoned and its lock released (env KVOBS_TRANSFER_DEADLINE, default 60).
     registry / tracer_provider / logger: injected telemetry back-ends (defaults: prometheus_client's global
@@ -100,7 +101,9 @@ class KVObserver:
         self.paths = tuple(sc.PATHS) + tuple(config.label_value("path", p) for p in extra_paths)
         self.holders = tuple(config.label_value("holder", h) for h in holders)
         self.lock = config.cache_lock(lock)
-        self.lock_timeout = config.seconds("lock_timeout", lock_timeout, sc.ENV_LOCK_TIMEOUT,
+        # a lock built with a timeout of its own is waited for that long, unless lock_timeout says otherwise
+        given_timeout = lock_timeout if lock_timeout is not None else getattr(self.lock, "timeout", None)
+        self.lock_timeout = config.seconds("lock_timeout", given_timeout, sc.ENV_LOCK_TIMEOUT,
                                            config.DEFAULT_LOCK_TIMEOUT_S)
         self.deadline = config.seconds("deadline", deadline, sc.ENV_TRANSFER_DEADLINE, config.DEFAULT_DEADLINE_S)
         self.capacity = _capacity(config.optional_positive_int("capacity", capacity), self.lock)
