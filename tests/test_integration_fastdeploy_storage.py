@@ -14,6 +14,7 @@ from fastdeploy_shaped.cluster import BLOCKS, make_cluster, read_task, write_tas
 from fastdeploy_shaped.tensors import BACKEND
 from support import lock_is_free_from_other_thread
 
+import kvobs
 from kvobs import ThreadLock
 from kvobs import semconv as sc
 from kvobs.integrations import fastdeploy as kvfd
@@ -221,3 +222,20 @@ def test_a_cache_that_cannot_be_checked_is_still_transferred(setup):
     assert s.cluster.engine.issue_prefetch_storage_task(read_task("r9", KEYS[:2], [1, 2])) == [1, 2]
     assert s.wait_for("fd-rank0", "prefetch")[0].outcome == "ok"
     assert not s.rank_caps[0].value("kvobs_nan_checks_total", path="prefetch", result="clean")
+
+
+def test_a_second_observer_is_refused_and_the_same_one_changes_nothing():
+    cluster = make_cluster()
+    engine, rank = cluster.engine, cluster.ranks[0]
+    with capture("fd-engine") as first, capture("fd-engine-2") as second:
+        undo = [kvfd.instrument_prefix_cache_manager(engine, first.observer),
+                kvfd.instrument_cache_transfer_manager(rank, first.observer)]
+        assert not kvfd.instrument_prefix_cache_manager(engine, first.observer).active
+        before = dict(vars(engine)), dict(vars(rank))
+        with pytest.raises(kvobs.AlreadyInstrumented, match="for observer 'fd-engine'"):
+            kvfd.instrument_prefix_cache_manager(engine, second.observer)
+        with pytest.raises(kvobs.AlreadyInstrumented, match="_run_read_storage is already instrumented"):
+            kvfd.instrument_cache_transfer_manager(rank, second.observer)
+        assert (dict(vars(engine)), dict(vars(rank))) == before  # nothing half-applied
+        for u in undo:
+            u()

@@ -20,6 +20,7 @@ from test_integration_sglang_support import (  # noqa: F401
     wait_until,
 )
 
+import kvobs
 from kvobs import semconv as sc
 from kvobs.block_lock import BlockLock
 from kvobs.errors import CorruptKVError
@@ -260,3 +261,22 @@ def test_pools_kvobs_cannot_view_as_pages_are_left_unchecked_with_the_reason() -
     ragged = types.SimpleNamespace(k_buffer=[torch.zeros(6, 2)])
     assert page_views(ragged, PAGE)[0] is None
     assert page_views(object(), PAGE) == (None, "object has no k_buffer/v_buffer/kv_buffer tensors")
+
+
+@pytest.mark.parametrize("on_class", [False, True], ids=["controller", "class"])
+def test_a_second_observer_is_refused_and_the_same_one_changes_nothing(engine: Any, cap: Any, on_class: bool) -> None:
+    rig = HiCacheRig(engine, "plain")
+    target = type(rig.controller) if on_class else rig.controller
+    undo = kvobs_sglang.instrument_hicache(cap.observer, target)
+    try:
+        assert kvobs_sglang.instrument_hicache(cap.observer, target).methods == ()
+        with capture(engine="sglang-2", lock=None, page_size=PAGE) as other:
+            with pytest.raises(kvobs.AlreadyInstrumented, match="write is already instrumented by kvobs for "
+                                                                "observer 'sglang'"):
+                kvobs_sglang.instrument_hicache(other.observer, target)
+        slots = rig.allocator.alloc(PAGE)
+        assert rig.controller.write(slots, node_id=1) is not None
+        assert cap.observer.open.count(sc.PATH_WRITE_BACK) == 1  # still the first observer's
+    finally:
+        undo()
+    assert not kvobs_sglang.is_instrumented(rig.controller.write)
