@@ -201,8 +201,10 @@ def test_a_class_instrumented_with_the_wrong_page_size_goes_on_unobserved(engine
         assert rig.controller.write(slots, node_id=1) is not None  # SGLang's copy, unobserved
         assert rig.controller.write(slots, node_id=2) is not None
         undo()
-    (error,) = [e for e in cap.logs if e["event"].startswith("kvobs.sglang: a hook failed")]
-    assert error["stage"] == "attach" and f"page_size={2 * PAGE} is not SGLang's page size {PAGE}" in error["error"]
+    (error,) = [e for e in cap.logs if e["event"] == "kvobs.telemetry.failed"]  # logged once per interval
+    assert (error["stage"], error["where"]) == ("hook", "attach")
+    assert f"page_size={2 * PAGE} is not SGLang's page size {PAGE}" in str(error["exc_info"])
+    assert cap.value("kvobs_telemetry_errors_total", stage="hook") == 2  # each failure counted
     assert cap.value("kvobs_transfers_total", path=sc.PATH_WRITE_BACK, outcome="ok") == 0
 
 

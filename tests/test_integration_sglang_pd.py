@@ -240,8 +240,9 @@ def test_a_cache_that_cannot_be_had_leaves_the_transfer_unobserved(engine: Any, 
         assert nodes.transfer(SOURCE_PAGES) == (nodes.poll.Success, nodes.poll.Success)
         undo()
     assert not _ended(records, sc.PATH_SEND)
-    stages = {e["stage"] for e in cap.logs if e["event"].startswith("kvobs.sglang: a hook failed")}
-    assert stages == {"send_cache", "receive"}
+    failed = [e for e in cap.logs if e["event"] == "kvobs.telemetry.failed" and e["stage"] == "hook"]
+    assert {e["where"] for e in failed} == {"send_cache", "receive"}
+    assert cap.value("kvobs_telemetry_errors_total", stage="hook") == len(failed)
 
 
 def test_the_failure_kvobs_records_pickles_with_its_fields() -> None:

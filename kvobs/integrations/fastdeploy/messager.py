@@ -30,16 +30,16 @@ from typing import Any
 
 import numpy as np
 
-from kvobs.integrations.fastdeploy.patching import Patches
+from kvobs import Instrumentation
+from kvobs.integrations._common import HookFailures, default_logger
 from kvobs.signals import EarlySignalBuffer, StepAlignedSignalBuffer
-from kvobs.telemetry.logs import default_logger
 
 SIGNAL_READER = "get_output_kv_signal"  # the module function `consume_signals` reads the array with
 NO_SIGNAL = -1
 
 
 def bridge_cache_messager(messager: Any, buffer: EarlySignalBuffer | StepAlignedSignalBuffer, *,
-                          module: ModuleType | None = None, logger: Any = None) -> Patches:
+                          module: ModuleType | None = None, logger: Any = None) -> Instrumentation:
     """Bridge `buffer` into `messager` (a `CacheMessagerV1` on a prefill node). Returns the undo handle.
 
     module: where `consume_signals` finds `get_output_kv_signal` (default: the messager class's module).
@@ -49,7 +49,7 @@ def bridge_cache_messager(messager: Any, buffer: EarlySignalBuffer | StepAligned
     if not isinstance(buffer, (EarlySignalBuffer, StepAlignedSignalBuffer)):
         raise TypeError(f"buffer must be an EarlySignalBuffer or StepAlignedSignalBuffer, got {buffer!r}")
     bridge = SignalBridge(messager, buffer, logger if logger is not None else default_logger())
-    patches = Patches()
+    patches = Instrumentation()  # no observer: bridging again with any buffer changes nothing
     queue = messager.engine_worker_queue
     patches.replace(queue, "put_finished_add_cache_task_req", bridge.registering)
     patches.replace(queue, "put_finished_req", bridge.finishing)
@@ -67,6 +67,7 @@ class SignalBridge:
         self.buffer = buffer
         self.logger = logger
         self.step_aligned = isinstance(buffer, StepAlignedSignalBuffer)
+        self._failed = HookFailures(logger=logger)
 
     # -- the signal array, after each read ---------------------------------------------------------------
 
@@ -155,7 +156,7 @@ class SignalBridge:
         try:
             step(arg)
         except Exception as exc:  # noqa: BLE001 - the messager's own thread must go on
-            self.logger.error("kvobs.fastdeploy.bridge_failed", step=step.__name__, error=repr(exc))
+            self._failed(step.__name__, exc)
 
 
 def _writable_view(data: Any) -> np.ndarray:

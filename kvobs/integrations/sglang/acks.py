@@ -16,8 +16,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from kvobs import Transfer
 from kvobs.errors import CopyNotConfirmed, KVObsError
-from kvobs.transfer import Transfer
 
 
 class AckWatcher:
