@@ -11,10 +11,21 @@ internals is here, under one name:
 - kvobs's logger, for an integration part that has no observer: `default_logger`.
 """
 
+from __future__ import annotations
+
+from typing import Any
+
 from kvobs.integrations._common.caches import checkable
 from kvobs.integrations._common.hooks import HookFailures
-from kvobs.integrations._common.ids import int_list
 from kvobs.integrations._common.locks import require_sharing_lock
+from kvobs.signals.inputs import int_list as _checked_int_list
 from kvobs.telemetry.logs import default_logger
 
 __all__ = ["HookFailures", "checkable", "default_logger", "int_list", "require_sharing_lock"]
+
+
+def int_list(ids: Any) -> list[int]:
+    """Ids as an engine hands them over (a list, a NumPy array, a torch or Paddle tensor) as Python ints >= 0,
+    converted as kvobs's signal buffers convert theirs (one `.tolist()`, no per-item device sync); TypeError
+    for a value that is not an integer."""
+    return _checked_int_list(ids, "id")

@@ -175,16 +175,16 @@ class _Readers:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._modules: dict[ModuleType, tuple[Callable[..., Any], dict[Any, SignalBridge]]] = {}
+        self._modules: dict[ModuleType, tuple[Instrumentation, dict[Any, SignalBridge]]] = {}
 
     def attach(self, module: ModuleType, rank_id: Any, bridge: SignalBridge) -> Callable[[], None] | None:
         """Dispatch `rank_id`'s reads to `bridge`; the undo, or None when that rank is bridged already."""
         with self._lock:
             if module not in self._modules:
-                original = getattr(module, SIGNAL_READER)
                 bridges: dict[Any, SignalBridge] = {}
-                self._modules[module] = (original, bridges)
-                setattr(module, SIGNAL_READER, _dispatching(original, bridges))
+                patches = Instrumentation()
+                patches.replace(module, SIGNAL_READER, lambda read: _dispatching(read, bridges))
+                self._modules[module] = (patches, bridges)
             bridges = self._modules[module][1]
             if rank_id in bridges:
                 return None
@@ -193,11 +193,11 @@ class _Readers:
 
     def _detach(self, module: ModuleType, rank_id: Any, bridge: SignalBridge) -> None:
         with self._lock:
-            original, bridges = self._modules.get(module, (None, {}))
+            patches, bridges = self._modules.get(module, (None, {}))
             if bridges.get(rank_id) is bridge:
                 del bridges[rank_id]
-            if original is not None and not bridges:
-                setattr(module, SIGNAL_READER, original)
+            if patches is not None and not bridges:
+                patches.undo()
                 del self._modules[module]
 
 
