@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import time
+import types
 from contextlib import ExitStack
 
 import numpy as np
@@ -239,3 +240,18 @@ def test_a_second_observer_is_refused_and_the_same_one_changes_nothing():
         assert (dict(vars(engine)), dict(vars(rank))) == before  # nothing half-applied
         for u in undo:
             u()
+
+
+def test_a_done_signal_kvobs_cannot_read_reaches_the_engine_and_is_counted_once_logged():
+    cluster = make_cluster()
+    engine = cluster.engine
+    unreadable = (types.SimpleNamespace(name="STORAGE2GPU"), "task-without-blocks")
+    engine.cache_task_queue.get_transfer_done_signal = lambda: unreadable
+    with capture("fd-engine") as cap:
+        undo = kvfd.instrument_prefix_cache_manager(engine, cap.observer)
+        assert engine.cache_task_queue.get_transfer_done_signal() is unreadable  # the engine gets its signal
+        assert engine.cache_task_queue.get_transfer_done_signal() is unreadable
+        undo()
+    assert cap.value("kvobs_telemetry_errors_total", stage="hook") == 2
+    (logged,) = [e for e in cap.logs if e["event"] == "kvobs.telemetry.failed"]
+    assert (logged["where"], logged["error_type"]) == ("done_signal", "ValueError")
