@@ -117,11 +117,12 @@ class Instrumentation:
         """Whether kvobs replaced `attribute` (a function, or a method of a class or object)."""
         return getattr(attribute, _ORIGINAL, None) is not None
 
-    def claims(self, target: Any, name: str) -> bool:
-        """Whether `target.<name>` is this handle's to replace: True when kvobs has not replaced it, False when it
-        did for this owner (nothing to do); AlreadyInstrumented when for another owner. For integrations that
-        set up state for a target before replacing its methods."""
-        return self._claims(target, name, getattr(target, name, None))
+    def claims(self, target: Any, *names: str) -> bool:
+        """Whether `target`'s attributes `names` are this handle's to replace: True when kvobs has replaced none
+        of them, False when it did for this owner (nothing to do); AlreadyInstrumented when for another owner.
+        For integrations that set up state before replacing, so that a refusal changes nothing."""
+        free = [self._claims(target, name, getattr(target, name, None)) for name in names]  # each one checked
+        return all(free)
 
     def _claims(self, target: Any, name: str, current: Any) -> bool:
         """True when `current` is not kvobs's yet; False when it is this owner's; refused for another owner."""

@@ -32,11 +32,9 @@ def instrument_prefix_cache_manager(manager: Any, obs: KVObserver) -> Instrument
     observer is refused (`AlreadyInstrumented`).
     """
     patches = Instrumentation(owner=obs)
-    for name in ("issue_prefetch_storage_task", "issue_write_back_storage_task"):
-        if not patches.claims(manager, name):
-            return patches  # instrumented for this observer already
-    if not patches.claims(manager.cache_task_queue, "get_transfer_done_signal"):
-        return patches
+    if not (patches.claims(manager, "issue_prefetch_storage_task", "issue_write_back_storage_task")
+            and patches.claims(manager.cache_task_queue, "get_transfer_done_signal")):
+        return patches  # instrumented for this observer already
     for name, path in (("issue_prefetch_storage_task", sc.PATH_PREFETCH),
                        ("issue_write_back_storage_task", sc.PATH_WRITE_BACK)):
         patches.replace(manager, name, lambda issue, path=path: _issuing(manager, issue, obs.guard(path, **_TASK_SPECS)))

@@ -51,6 +51,8 @@ def bridge_cache_messager(messager: Any, buffer: EarlySignalBuffer | StepAligned
     bridge = SignalBridge(messager, buffer, logger if logger is not None else default_logger())
     patches = Instrumentation()  # no observer: bridging again with any buffer changes nothing
     queue = messager.engine_worker_queue
+    if not patches.claims(queue, "put_finished_add_cache_task_req", "put_finished_req"):
+        return patches  # bridged already
     patches.replace(queue, "put_finished_add_cache_task_req", bridge.registering)
     patches.replace(queue, "put_finished_req", bridge.finishing)
     detach = READERS.attach(module or sys.modules[type(messager).__module__], messager.rank_id, bridge)

@@ -37,7 +37,7 @@ def instrument_ipc_comm_manager(comm: Any, obs: KVObserver) -> Instrumentation:
     require_sharing_lock(obs, "instrument_ipc_comm_manager",
                          "every layer's send stays open until write_block_by_sync, after the last layer")
     patches = Instrumentation(owner=obs)
-    if not (patches.claims(comm, "write_cache") and patches.claims(comm, "write_block_by_sync")):
+    if not patches.claims(comm, "write_cache", "write_block_by_sync"):
         return patches  # instrumented for this observer already
     sends = OpenSends(obs)
     layer_cache = per_layer(lambda: comm.local_key_cache_tensor_list, lambda: comm.local_value_cache_tensor_list)

@@ -36,10 +36,9 @@ def instrument_cache_transfer_manager(manager: Any, obs: KVObserver) -> Instrume
     """Guard `manager`'s storage copies and carry kvobs's verdicts in its done signals. Returns the undo. A
     manager already instrumented for another observer is refused (`AlreadyInstrumented`)."""
     patches = Instrumentation(owner=obs)
-    for target, name in ((manager, "_run_read_storage"), (manager, "_run_write_back_storage"),
-                         (manager.cache_task_queue, "put_transfer_done_signal")):
-        if not patches.claims(target, name):
-            return patches  # instrumented for this observer already
+    if not (patches.claims(manager, "_run_read_storage", "_run_write_back_storage")
+            and patches.claims(manager.cache_task_queue, "put_transfer_done_signal")):
+        return patches  # instrumented for this observer already
     caches = LayerCaches(lambda: (manager.gpu_cache_k_tensors, manager.gpu_cache_v_tensors))
     verdicts = Verdicts(HookFailures(obs))
     read = obs.prefetch(cache=caches, result=list, on_corrupt=verdicts.nothing_loaded, **_COPY_SPECS)

@@ -27,7 +27,7 @@ def instrument_worker_process(proc: Any, obs: KVObserver, *, holder: str = sc.HO
     """
     tp_rank = proc.local_rank % proc.parallel_config.tensor_parallel_size
     patches = Instrumentation(owner=obs)
-    if not (patches.claims(proc, "_acquire_kvcache_lock") and patches.claims(proc, "_release_kvcache_lock")):
+    if not patches.claims(proc, "_acquire_kvcache_lock", "_release_kvcache_lock"):
         return patches  # instrumented for this observer already
     patches.replace(proc, "_acquire_kvcache_lock", lambda _: _kvobs_holds("_acquire_kvcache_lock"))
     patches.replace(proc, "_release_kvcache_lock", lambda _: _kvobs_holds("_release_kvcache_lock"))

@@ -179,7 +179,7 @@ def instrument_hicache(obs: KVObserver, target: Any = None, *,
     patches.add(hooks.detach)
     try:
         for each in _controller_classes() if target is None else [target]:
-            if not patches.claims(each, "write"):
+            if not patches.claims(each, "write", "load"):
                 continue  # kvobs observes it already, for this observer
             if not isinstance(each, type):
                 hooks.state(each)  # a controller object: checked (page size) and its lists watched from now on
