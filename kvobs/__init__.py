@@ -6,6 +6,7 @@ import torch.
 
 from kvobs.block_lock import BlockLock
 from kvobs.errors import (
+    AlreadyInstrumented,
     CorruptKVError,
     DuplicateEngine,
     InvalidOption,
@@ -14,6 +15,7 @@ from kvobs.errors import (
     MetricNameConflict,
     MultiprocessDirError,
     ReentrantLockError,
+    SharingLockRequired,
     SignalBufferFull,
     TransferRejected,
 )
@@ -32,6 +34,7 @@ from kvobs.transfer import Transfer
 from kvobs.version import __version__ as __version__
 
 __all__ = [
+    "AlreadyInstrumented",
     "BlockLock",
     "CheckResult",
     "CorruptKVError",
@@ -51,6 +54,7 @@ __all__ = [
     "Progress",
     "ReadySignal",
     "ReentrantLockError",
+    "SharingLockRequired",
     "SignalBufferFull",
     "StepAlignedSignalBuffer",
     "ThreadLock",

@@ -269,3 +269,82 @@ class OutOfDescriptors(KVObsError, OSError):
         "descriptors (limit {limit}; {in_use} are this lock's open claims, one per claim until it ends): end "
         "open transfers, or raise the limit (ulimit -n / RLIMIT_NOFILE)"
     )
+
+
+class AlreadyInstrumented(KVObsError, RuntimeError):
+    """An engine method kvobs already instrumented for one observer was asked to be instrumented for another;
+    nothing was changed. The second observer would see none of the method's calls (the first one keeps them)."""
+
+    target: str
+    method: str
+    owner: str
+
+    template = (
+        "{target}.{method} is already instrumented by kvobs for {owner}; a second observer would see none of its "
+        "calls: undo the first instrumentation (call the handle it returned), or instrument with that observer"
+    )
+
+
+class SharingLockRequired(KVObsError, ValueError):
+    """An integration that keeps many copies open at once was given one lock for the whole cache: every open
+    copy would wait for the one before it to end, which the engine does only later (a lock timeout inside the
+    engine). Refused when the integration is set up, not at the first copy."""
+
+    integration: str
+    lock: str
+    why: str
+
+    template = (
+        "{integration}: the observer's lock {lock} is one lock for the whole cache, held by every copy until it "
+        "ends; {why}, so they would wait on each other and time out. Build the observer with lock=None (observe "
+        "and check only) or a kvobs.BlockLock (copies of different blocks never wait on each other)"
+    )
+
+
+class CopyNotConfirmed(KVObsError):
+    """SGLang reported a transfer failed, aborted it, or dropped its acknowledgement before the copy finished.
+
+    Recorded on the transfer (`outcome="error"`), never raised into SGLang.
+    """
+
+    path: str
+    reason: str
+
+    template = "SGLang did not confirm the {path} copy: {reason}"
+
+
+class EngineReportedFailure(KVObsError):
+    """vLLM said a copy failed (a failed receive, a failed or refused job): the transfer's recorded error."""
+
+    path: str
+    key: Any
+    reason: str
+
+    template = "vLLM reported the {path} transfer {key!r} as failed: {reason}"
+
+
+class StaleSource(KVObsError):
+    """A vLLM load read from where a corrupt store was left out: what it brought is not what vLLM thinks it is."""
+
+    key: Any
+
+    template = "load {key!r} read from where a corrupt store was left out: its data is stale"
+
+
+class LaunchFailed(KVObsError, RuntimeError):
+    """FastDeploy's `write_cache` returned an error code: the copy was not launched (the send transfer's error)."""
+
+    remote_gpu_id: Any
+    layer_idx: Any
+    code: Any
+
+    template = "write_cache to GPU {remote_gpu_id}, layer {layer_idx}, returned {code}: not launched"
+
+
+class SendFailed(KVObsError, RuntimeError):
+    """FastDeploy's prefill cache messagers reported an error status for the request's send."""
+
+    request_id: Any
+    status: Any
+
+    template = "the cache send of request {request_id!r} ended with status {status!r}"

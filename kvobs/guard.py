@@ -47,6 +47,7 @@ class Guard:
         *,
         result: Callable[[Any], Any] | None = None,
         on_corrupt: CorruptHandler | None = None,
+        observer: Any = None,
     ) -> None:
         unknown = set(specs) - set(SPEC_FIELDS)
         if unknown:
@@ -58,6 +59,7 @@ class Guard:
         self.specs = specs
         self.result = result
         self.on_corrupt = on_corrupt
+        self.observer = observer  # whom `kvobs.instrument` instruments for: one observer per engine method
 
     def __call__(self, func: Callable[..., Any]) -> Callable[..., Any]:
         if inspect.isgeneratorfunction(func) or inspect.isasyncgenfunction(func):

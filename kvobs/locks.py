@@ -75,6 +75,7 @@ class CacheLock(Protocol):
 
 
 UNKNOWN_HOLDER = "unknown"
+_CONSTRUCTED = object()  # `acquire()` without a timeout: the one the lock was built with
 _NO_WAIT = (False,)
 _DIRECT = Claim("direct")
 
@@ -145,11 +146,14 @@ class _ExclusiveLock:
         since = self.held_since
         return perf_counter() - since if since and self._mutex_locked() else 0.0
 
-    def acquire(self, timeout: float | None = None) -> bool:
-        """Take the lock outside a kvobs guard; True when acquired, False when `timeout` expired.
+    def acquire(self, timeout: float | None | object = _CONSTRUCTED) -> bool:
+        """Take the lock outside a kvobs guard; True when acquired, False when `timeout` expired (left out:
+        the timeout the lock was built with; None waits for ever).
 
         An exception while waiting (Ctrl-C) leaves nothing held: the steps taken so far are undone here,
         since `with` calls no __exit__ for an __enter__ that raised."""
+        if timeout is _CONSTRUCTED:
+            timeout = self.timeout
         mine: Held = deque()
         try:
             if not self.acquire_into(mine, _DIRECT, timeout):
@@ -311,12 +315,22 @@ class ProcessLock(_ExclusiveLock):
         directory: str | os.PathLike[str] | None = None,
         timeout: float | None = None,
         create: bool = True,
+        file: str | os.PathLike[str] | None = None,
     ) -> None:
-        self.directory = lock_directory(directory)
-        self.path = lock_path(name, self.directory)  # InvalidLockName (a ValueError) for a bad name
+        """name: the lock's name (its file in kvobs's private lock directory, and its metric label).
+        file: instead, a lock file another program made and locks with `flock` (an engine's own lock file), so
+        that program and kvobs exclude each other: adopted, never created; a symlink, a file that is not
+        regular or one owned by another user is refused (`kvobs.errors.UnsafeLockFile`)."""
         self.name = name
         self.timeout = timeout
-        self._use_file(open_lock_file(self.path, create=create))
+        self._adopted = file is not None
+        if self._adopted:
+            self.path = os.fspath(file)
+            self.directory = os.path.dirname(self.path)
+        else:
+            self.directory = lock_directory(directory)
+            self.path = lock_path(name, self.directory)  # InvalidLockName (a ValueError) for a bad name
+        self._use_file(open_lock_file(self.path, create=create and not self._adopted, adopt=self._adopted))
 
     def _use_file(self, fd: int) -> None:
         """Lock through the checked lock file open at `fd` (this lock closes it), re-opened in forked children."""
@@ -337,7 +351,9 @@ class ProcessLock(_ExclusiveLock):
         return cls(name, directory=directory, timeout=timeout, create=False)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # A spawned worker attaches by name to the same file; it never creates one.
+        # A spawned worker attaches by name (or adopts by path) to the same file; it never creates one.
+        if self._adopted:
+            return functools.partial(ProcessLock, file=self.path, timeout=self.timeout), (self.name,)
         attach = functools.partial(ProcessLock.attach, directory=self.directory, timeout=self.timeout)
         return attach, (self.name,)
 

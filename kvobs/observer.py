@@ -25,7 +25,7 @@ from kvobs.open_transfers import OpenTransfers
 from kvobs.route import Route
 from kvobs.signals import EarlySignalBuffer, StepAlignedSignalBuffer
 from kvobs.telemetry.engine_metrics import EngineMetrics
-from kvobs.telemetry.failures import STAGE_DEADLINE_THREAD, TelemetryFailures
+from kvobs.telemetry.failures import STAGE_DEADLINE_THREAD, STAGE_HOOK, TelemetryFailures
 from kvobs.telemetry.families import MetricFamilies
 from kvobs.telemetry.logs import default_logger, level_number
 from kvobs.telemetry.recorder import Hook, Recorder
@@ -45,7 +45,8 @@ class KVObserver:
     engine: a low-cardinality label value naming the engine (never a request or node id).
     lock: the cache lock transfers take (`ThreadLock()` by default; `ProcessLock(name)` across worker
         processes; `BlockLock(name, num_blocks)` to lock blocks, not the whole cache; None: observe only).
-    lock_timeout: seconds to wait for the lock before LockTimeout (env KVOBS_LOCK_TIMEOUT, default 30).
+    lock_timeout: seconds to wait for the lock before LockTimeout (default: the timeout the lock was built with,
+        else env KVOBS_LOCK_TIMEOUT, else 30).
     deadline: seconds an open transfer (begun, or left open by `complete_later=`) may wait for its
         completion before it is abandoned and its lock released (env KVOBS_TRANSFER_DEADLINE, default 60).
     registry / tracer_provider / logger: injected telemetry back-ends (defaults: prometheus_client's global
@@ -100,7 +101,9 @@ class KVObserver:
         self.paths = tuple(sc.PATHS) + tuple(config.label_value("path", p) for p in extra_paths)
         self.holders = tuple(config.label_value("holder", h) for h in holders)
         self.lock = config.cache_lock(lock)
-        self.lock_timeout = config.seconds("lock_timeout", lock_timeout, sc.ENV_LOCK_TIMEOUT,
+        # a lock built with a timeout of its own is waited for that long, unless lock_timeout says otherwise
+        given_timeout = lock_timeout if lock_timeout is not None else getattr(self.lock, "timeout", None)
+        self.lock_timeout = config.seconds("lock_timeout", given_timeout, sc.ENV_LOCK_TIMEOUT,
                                            config.DEFAULT_LOCK_TIMEOUT_S)
         self.deadline = config.seconds("deadline", deadline, sc.ENV_TRANSFER_DEADLINE, config.DEFAULT_DEADLINE_S)
         self.capacity = _capacity(config.optional_positive_int("capacity", capacity), self.lock)
@@ -147,13 +150,13 @@ class KVObserver:
         call's return value (or what `complete` is given) to the block ids that actually moved. `check`
         overrides the integrity policy; `on_corrupt(transfer, bad_ids)` replaces the result of a transfer
         found corrupt instead of raising."""
-        return Guard(self._route_for(path, check), specs, result=result, on_corrupt=on_corrupt)
+        return Guard(self._route_for(path, check), specs, result=result, on_corrupt=on_corrupt, observer=self)
 
     def locked(self, holder: str = sc.HOLDER_FORWARD, **specs: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         """A decorator taking the cache lock for a holder that is not a transfer (the GPU worker's
         `execute_model`): timed, its wait and hold recorded under `path=holder`. `block_ids=` (a spec) names
         the blocks it writes, for a BlockLock."""
-        return Guard(self._holder_route_for(holder), specs)
+        return Guard(self._holder_route_for(holder), specs, observer=self)
 
     # -- values: for code that is not one decorated call ---------------------------------------------------
 
@@ -210,7 +213,7 @@ class KVObserver:
         self._caches = CacheCheck(self.block_dim)
         self.metrics = self._engine_metrics(registry, buckets) if self.telemetry else None
         # telemetry off: failures (a raising hook) are still logged once per kind, with nothing to count
-        self._failures: Callable[[str, BaseException], None] = (
+        self._failures: Callable[..., None] = (
             TelemetryFailures(self.engine, None, self.logger) if self.metrics is None
             else self.metrics.count_telemetry_error)
         count_restart = None if self.metrics is None else functools.partial(self.metrics.failures.count,
@@ -305,6 +308,12 @@ class KVObserver:
 
     def _telemetry_failed(self, stage: str, exc: BaseException) -> None:
         self._failures(stage, exc)
+
+    def hook_failed(self, error: BaseException, *, where: str) -> None:
+        """An engine integration's own hook raised inside an engine call and swallowed it, so the engine goes on
+        exactly as without kvobs: counted in kvobs_telemetry_errors_total{stage="hook"} and logged at most once
+        per interval per (where, error type). Never raises."""
+        self._failures(STAGE_HOOK, error, where=where)
 
     def _known_path(self, path: str, what: str) -> str:
         if path not in self.paths:

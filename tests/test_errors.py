@@ -17,7 +17,10 @@ SAMPLES = {
     "result": CheckResult(40, nan_block_ids=(3,), inf_block_ids=tuple(range(10, 20))), "detail": "kvobs_x",
     "engine": "e0", "variable": "PROMETHEUS_MULTIPROC_DIR", "name": "a/b", "limit": "max_slots", "size": 8,
     "hint": "finish tasks", "exporter": "OTLPSpanExporter", "spans": 3, "value": "maybe", "expected": "use 0 or 1",
-    "consequence": "not recorded", "in_use": 40,
+    "consequence": "not recorded", "in_use": 40, "target": "HiCacheController", "method": "write",
+    "owner": "observer 'sglang'", "integration": "instrument_hicache", "lock": "ThreadLock('thread')",
+    "why": "SGLang keeps many copies in flight", "key": ("job", 7), "remote_gpu_id": 1, "layer_idx": 3, "code": 1,
+    "request_id": "req-1", "status": "write cache error",
 }
 ERROR_CLASSES = [cls for _, cls in inspect.getmembers(errors, inspect.isclass)
                  if issubclass(cls, errors.KVObsError) and cls.__module__ == errors.__name__]

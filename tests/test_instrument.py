@@ -6,6 +6,7 @@ import pytest
 
 import kvobs
 from kvobs import semconv as sc
+from kvobs.testing import capture
 
 
 class Base:
@@ -92,3 +93,26 @@ def test_instrument_one_instance_with_self_specs_and_a_locked_section(cap):
     assert "transfer" not in vars(worker)
     worker.transfer()
     assert cap.value(sc.TRANSFER_BLOCKS_TOTAL, path="send") == 2
+
+
+def test_a_second_observer_is_refused_and_the_same_one_changes_nothing(cap):
+    with capture("other") as other:
+        undo = kvobs.instrument(PrefixCacheManager, {"issue_prefetch_storage_task": cap.observer.prefetch()})
+        try:
+            same = kvobs.instrument(PrefixCacheManager, {"issue_prefetch_storage_task": cap.observer.prefetch()})
+            assert same.methods == ()
+            with pytest.raises(kvobs.AlreadyInstrumented, match=r"issue_prefetch_storage_task is already "
+                                                                r"instrumented by kvobs for observer 'test'"):
+                kvobs.instrument(PrefixCacheManager, {
+                    "issue_write_back_storage_task": other.observer.write_back(),
+                    "issue_prefetch_storage_task": other.observer.prefetch(),
+                })
+            assert "issue_write_back_storage_task" not in PrefixCacheManager.__dict__  # nothing half-applied
+            PrefixCacheManager().issue_prefetch_storage_task(Task())
+            assert cap.value(sc.TRANSFERS_TOTAL, path="prefetch", outcome="ok") == 1  # the first one still sees it
+        finally:
+            undo()
+        second = kvobs.instrument(PrefixCacheManager, {"issue_prefetch_storage_task": other.observer.prefetch()})
+        PrefixCacheManager().issue_prefetch_storage_task(Task())
+        second()
+        assert other.value(sc.TRANSFERS_TOTAL, path="prefetch", outcome="ok") == 1

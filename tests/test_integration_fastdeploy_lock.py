@@ -10,6 +10,7 @@ import pickle
 import select
 import subprocess
 import sys
+import threading
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -82,6 +83,40 @@ def test_kvobs_and_an_unmodified_fastdeploy_exclude_each_other(lock_dir):
         with obs.hold():
             assert not fastdeploy.ask("acquire", within=0.3)  # FastDeploy waits for kvobs
         assert fastdeploy.answered(within=60)  # and gets the lock once kvobs released it
+    finally:
+        fastdeploy.close()
+
+
+def test_the_timeout_given_at_construction_bounds_a_direct_acquire(lock_dir):
+    lock = kvfd.FastDeployLock(PORT, directory=lock_dir, timeout=0.3)
+    fastdeploy = FastDeployProcess(lock_dir)
+    outcome = []
+    waiter = threading.Thread(target=lambda: outcome.append(lock.acquire()), daemon=True)
+    try:
+        assert fastdeploy.ask("acquire")
+        waiter.start()
+        waiter.join(timeout=60)
+        assert outcome == [False]  # not a wait for ever behind FastDeploy's holder
+        with pytest.raises(kvobs.LockTimeout, match="within 0.300 s"):
+            with lock:
+                pass
+        assert fastdeploy.ask("release")
+        assert lock.acquire()  # free again: taken at once
+        lock.release()
+    finally:
+        fastdeploy.close()  # a hung waiter gets the lock once FastDeploy's process is gone
+        waiter.join(timeout=60)
+
+
+def test_an_observer_without_lock_timeout_waits_as_long_as_its_lock_says(lock_dir):
+    obs = kvobs.KVObserver("fd-lock", lock=kvfd.FastDeployLock(PORT, directory=lock_dir, timeout=0.3),
+                           registry=CollectorRegistry(), integrity=None)
+    fastdeploy = FastDeployProcess(lock_dir)
+    try:
+        assert obs.lock_timeout == 0.3  # not the 30 s default
+        assert fastdeploy.ask("acquire")
+        with pytest.raises(kvobs.LockTimeout), obs.hold():
+            pass
     finally:
         fastdeploy.close()
 

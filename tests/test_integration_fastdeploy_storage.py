@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import time
+import types
 from contextlib import ExitStack
 
 import numpy as np
@@ -14,6 +15,7 @@ from fastdeploy_shaped.cluster import BLOCKS, make_cluster, read_task, write_tas
 from fastdeploy_shaped.tensors import BACKEND
 from support import lock_is_free_from_other_thread
 
+import kvobs
 from kvobs import ThreadLock
 from kvobs import semconv as sc
 from kvobs.integrations import fastdeploy as kvfd
@@ -221,3 +223,35 @@ def test_a_cache_that_cannot_be_checked_is_still_transferred(setup):
     assert s.cluster.engine.issue_prefetch_storage_task(read_task("r9", KEYS[:2], [1, 2])) == [1, 2]
     assert s.wait_for("fd-rank0", "prefetch")[0].outcome == "ok"
     assert not s.rank_caps[0].value("kvobs_nan_checks_total", path="prefetch", result="clean")
+
+
+def test_a_second_observer_is_refused_and_the_same_one_changes_nothing():
+    cluster = make_cluster()
+    engine, rank = cluster.engine, cluster.ranks[0]
+    with capture("fd-engine") as first, capture("fd-engine-2") as second:
+        undo = [kvfd.instrument_prefix_cache_manager(engine, first.observer),
+                kvfd.instrument_cache_transfer_manager(rank, first.observer)]
+        assert not kvfd.instrument_prefix_cache_manager(engine, first.observer).active
+        before = dict(vars(engine)), dict(vars(rank))
+        with pytest.raises(kvobs.AlreadyInstrumented, match="for observer 'fd-engine'"):
+            kvfd.instrument_prefix_cache_manager(engine, second.observer)
+        with pytest.raises(kvobs.AlreadyInstrumented, match="_run_read_storage is already instrumented"):
+            kvfd.instrument_cache_transfer_manager(rank, second.observer)
+        assert (dict(vars(engine)), dict(vars(rank))) == before  # nothing half-applied
+        for u in undo:
+            u()
+
+
+def test_a_done_signal_kvobs_cannot_read_reaches_the_engine_and_is_counted_once_logged():
+    cluster = make_cluster()
+    engine = cluster.engine
+    unreadable = (types.SimpleNamespace(name="STORAGE2GPU"), "task-without-blocks")
+    engine.cache_task_queue.get_transfer_done_signal = lambda: unreadable
+    with capture("fd-engine") as cap:
+        undo = kvfd.instrument_prefix_cache_manager(engine, cap.observer)
+        assert engine.cache_task_queue.get_transfer_done_signal() is unreadable  # the engine gets its signal
+        assert engine.cache_task_queue.get_transfer_done_signal() is unreadable
+        undo()
+    assert cap.value("kvobs_telemetry_errors_total", stage="hook") == 2
+    (logged,) = [e for e in cap.logs if e["event"] == "kvobs.telemetry.failed"]
+    assert (logged["where"], logged["error_type"]) == ("done_signal", "ValueError")

@@ -20,6 +20,7 @@ from test_integration_sglang_support import (  # noqa: F401
     wait_until,
 )
 
+import kvobs
 from kvobs import semconv as sc
 from kvobs.block_lock import BlockLock
 from kvobs.errors import CorruptKVError
@@ -200,8 +201,10 @@ def test_a_class_instrumented_with_the_wrong_page_size_goes_on_unobserved(engine
         assert rig.controller.write(slots, node_id=1) is not None  # SGLang's copy, unobserved
         assert rig.controller.write(slots, node_id=2) is not None
         undo()
-    (error,) = [e for e in cap.logs if e["event"].startswith("kvobs.sglang: a hook failed")]
-    assert error["stage"] == "attach" and f"page_size={2 * PAGE} is not SGLang's page size {PAGE}" in error["error"]
+    (error,) = [e for e in cap.logs if e["event"] == "kvobs.telemetry.failed"]  # logged once per interval
+    assert (error["stage"], error["where"]) == ("hook", "attach")
+    assert f"page_size={2 * PAGE} is not SGLang's page size {PAGE}" in str(error["exc_info"])
+    assert cap.value("kvobs_telemetry_errors_total", stage="hook") == 2  # each failure counted
     assert cap.value("kvobs_transfers_total", path=sc.PATH_WRITE_BACK, outcome="ok") == 0
 
 
@@ -260,3 +263,22 @@ def test_pools_kvobs_cannot_view_as_pages_are_left_unchecked_with_the_reason() -
     ragged = types.SimpleNamespace(k_buffer=[torch.zeros(6, 2)])
     assert page_views(ragged, PAGE)[0] is None
     assert page_views(object(), PAGE) == (None, "object has no k_buffer/v_buffer/kv_buffer tensors")
+
+
+@pytest.mark.parametrize("on_class", [False, True], ids=["controller", "class"])
+def test_a_second_observer_is_refused_and_the_same_one_changes_nothing(engine: Any, cap: Any, on_class: bool) -> None:
+    rig = HiCacheRig(engine, "plain")
+    target = type(rig.controller) if on_class else rig.controller
+    undo = kvobs_sglang.instrument_hicache(cap.observer, target)
+    try:
+        assert kvobs_sglang.instrument_hicache(cap.observer, target).methods == ()
+        with capture(engine="sglang-2", lock=None, page_size=PAGE) as other:
+            with pytest.raises(kvobs.AlreadyInstrumented, match="write is already instrumented by kvobs for "
+                                                                "observer 'sglang'"):
+                kvobs_sglang.instrument_hicache(other.observer, target)
+        slots = rig.allocator.alloc(PAGE)
+        assert rig.controller.write(slots, node_id=1) is not None
+        assert cap.observer.open.count(sc.PATH_WRITE_BACK) == 1  # still the first observer's
+    finally:
+        undo()
+    assert not kvobs_sglang.is_instrumented(rig.controller.write)

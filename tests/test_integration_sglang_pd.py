@@ -25,10 +25,10 @@ from test_integration_sglang_support import (  # noqa: F401  (engine: a fixture)
     wait_until,
 )
 
+import kvobs
 from kvobs import semconv as sc
-from kvobs.errors import CorruptKVError
+from kvobs.errors import CopyNotConfirmed, CorruptKVError
 from kvobs.integrations import sglang as kvobs_sglang
-from kvobs.integrations.sglang.errors import CopyNotConfirmed
 from kvobs.telemetry.recorder import TransferRecord
 from kvobs.testing import capture
 
@@ -240,11 +240,28 @@ def test_a_cache_that_cannot_be_had_leaves_the_transfer_unobserved(engine: Any, 
         assert nodes.transfer(SOURCE_PAGES) == (nodes.poll.Success, nodes.poll.Success)
         undo()
     assert not _ended(records, sc.PATH_SEND)
-    stages = {e["stage"] for e in cap.logs if e["event"].startswith("kvobs.sglang: a hook failed")}
-    assert stages == {"send_cache", "receive"}
+    failed = [e for e in cap.logs if e["event"] == "kvobs.telemetry.failed" and e["stage"] == "hook"]
+    assert {e["where"] for e in failed} == {"send_cache", "receive"}
+    assert cap.value("kvobs_telemetry_errors_total", stage="hook") == len(failed)
 
 
 def test_the_failure_kvobs_records_pickles_with_its_fields() -> None:
     error = pickle.loads(pickle.dumps(CopyNotConfirmed(sc.PATH_SEND, "RDMA write failed")))
     assert (type(error), error.path, error.reason) == (CopyNotConfirmed, sc.PATH_SEND, "RDMA write failed")
     assert str(error) == "SGLang did not confirm the send copy: RDMA write failed"
+
+
+def test_a_second_observer_is_refused_and_the_same_one_changes_nothing(engine: Any) -> None:
+    with capture(engine="sglang", lock=None, page_size=PAGE) as first, \
+            capture(engine="sglang-2", lock=None, page_size=PAGE) as second:
+        undo = kvobs_sglang.instrument_pd(first.observer)
+        try:
+            assert kvobs_sglang.instrument_pd(first.observer).methods == ()
+            with pytest.raises(kvobs.AlreadyInstrumented, match="CommonKVSender.send is already instrumented by "
+                                                                "kvobs for observer 'sglang'"):
+                kvobs_sglang.instrument_pd(second.observer)
+            sender = engine.attr("sglang.srt.disaggregation.common.conn:CommonKVSender")
+            assert kvobs_sglang.is_instrumented(sender.send) and kvobs_sglang.is_instrumented(sender.poll)
+        finally:
+            undo()
+        assert not kvobs_sglang.is_instrumented(sender.send)

@@ -502,3 +502,16 @@ def test_ctrl_c_while_with_lock_waits_for_another_process_leaves_nothing_held(tm
     t.join()
     assert acquired == [True]
     lock.release()
+
+
+def test_acquire_without_a_timeout_waits_the_one_the_lock_was_built_with() -> None:
+    lock = ThreadLock("built-with-timeout", timeout=0.2)
+    assert lock.acquire()
+    try:
+        outcome = []
+        waiter = threading.Thread(target=lambda: outcome.append(lock.acquire()), daemon=True)
+        waiter.start()
+        waiter.join(timeout=60)
+        assert outcome == [False]  # not a wait for ever
+    finally:
+        lock.release()

@@ -27,7 +27,7 @@ from opentelemetry import trace
 from kvobs import semconv as sc
 from kvobs.signals.records import Decision
 from kvobs.telemetry.engine_metrics import EngineMetrics
-from kvobs.telemetry.failures import STAGE_LOGGING, STAGE_METRICS, STAGE_TRACING, TelemetryFailures
+from kvobs.telemetry.failures import STAGE_LOGGING, STAGE_METRICS, STAGE_TRACING, Failed, TelemetryFailures
 from kvobs.telemetry.logs import level_number
 from kvobs.telemetry.multiprocess import histogram_adder
 from kvobs.telemetry.ratelimit import RateLimitedLog
@@ -36,7 +36,6 @@ FLUSH_AT = 512  # recovered waits noted before a flush is forced: bounds the mem
 LOG_INTERVAL_S = 10.0
 ATTR_WAITED_S = sc.ATTR_WAITED_S
 
-Failed = Callable[..., None]  # failed(stage, error=None): counts and logs a swallowed telemetry failure
 READY, BUFFERED, RECOVERED, INVALID, FINISHED, EXPIRED, OVERFLOW, REFUSED = (
     sc.SIGNAL_OUTCOMES.index(o) for o in (sc.SIGNAL_READY, sc.SIGNAL_BUFFERED, sc.SIGNAL_RECOVERED,
                                           sc.SIGNAL_DROPPED_INVALID, sc.SIGNAL_DROPPED_FINISHED, sc.SIGNAL_EXPIRED,

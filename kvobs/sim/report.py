@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 from kvobs import semconv as sc
 from kvobs.sim.runs import RUNS, RunSpec
 from kvobs.sim.targets import targets
-from kvobs.version import __version__
+from kvobs import __version__
 
 # 3: runs unguarded | global_lock | block_lock (was unguarded | guarded); `<run>_clean` also requires 0 stale
 #    blocks; `targets`. 2: lock waits are null where nothing was measured (1 reported interpolated noise).

@@ -105,10 +105,11 @@ class EngineMetrics:
         self.pending.bind(owner, count, self._scrape_failed)
         self.oldest_age.bind(owner, oldest_age, self._scrape_failed)
 
-    def count_telemetry_error(self, stage: str, error: BaseException | None = None) -> None:
+    def count_telemetry_error(self, stage: str, error: BaseException | None = None, *,
+                              where: str | None = None) -> None:
         """Count a swallowed telemetry failure and log its kind once per interval; never raises. Inside an
         `except` block the exception being handled is the one logged."""
-        self.failures(stage, error)
+        self.failures(stage, error, where=where)
 
 
 def _running_count(in_flight: InFlight) -> int:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import threading
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from time import monotonic
 
 from opentelemetry.context import _SUPPRESS_INSTRUMENTATION_KEY, Context, attach, detach, set_value
@@ -29,9 +29,8 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from kvobs.errors import SpanExportFailed
 from kvobs.forks import renewed_after_fork
-from kvobs.telemetry.failures import STAGE_EXPORT
+from kvobs.telemetry.failures import STAGE_EXPORT, Failed
 
-Failed = Callable[[str, BaseException], None]
 # the SDK's defaults for its OTEL_BSP_* variables (documented in the OpenTelemetry specification)
 _DEFAULT_MAX_QUEUE_SIZE = 2048
 _DEFAULT_MAX_EXPORT_BATCH_SIZE = 512

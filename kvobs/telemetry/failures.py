@@ -42,6 +42,11 @@ TELEMETRY_STAGES = (STAGE_METRICS, STAGE_TRACING, STAGE_LOGGING, STAGE_HOOK, STA
                     STAGE_DEADLINE_THREAD)
 
 
+# what a collaborator gets to report a swallowed failure: `failed(stage, error)` (a TelemetryFailures, or a
+# function that passes on to one)
+Failed = Callable[[str, BaseException], None]
+
+
 class TelemetryFailures:
     """The one place a swallowed telemetry failure goes. `counters` maps a stage to a counter child (anything
     with `inc()`); a stage without one is still logged. Calling it never raises."""
@@ -53,16 +58,19 @@ class TelemetryFailures:
         self._log = RateLimitedLog(logger if logger is not None else default_logger(), interval_s, clock=clock,
                                    on_error=self._logging_failed)
 
-    def __call__(self, stage: str, error: BaseException | None = None) -> None:
+    def __call__(self, stage: str, error: BaseException | None = None, *, where: str | None = None) -> None:
         """Count one failure of `stage` and log it unless its kind was logged within the interval. Inside an
-        `except` block the exception being handled is used when `error` is not given."""
+        `except` block the exception being handled is used when `error` is not given. `where` names the
+        place within the stage (an integration's hook), logged and part of the kind."""
         try:
             self.count(stage)
             if error is None:
                 error = sys.exc_info()[1]
             error_type = type(error).__qualname__ if error is not None else None
-            self._log.log((stage, error_type), "warning", EVENT_TELEMETRY_FAILED, engine=self.engine,
-                          stage=stage, error_type=error_type, exc_info=error if error is not None else False)
+            place = {} if where is None else {"where": where}
+            self._log.log((stage, error_type, where), "warning", EVENT_TELEMETRY_FAILED, engine=self.engine,
+                          stage=stage, error_type=error_type, exc_info=error if error is not None else False,
+                          **place)
         except Exception:  # noqa: BLE001, S110 - the reporter of last resort must not raise either
             pass
 

@@ -28,14 +28,13 @@ from kvobs.errors import DuplicateEngine, MetricNameConflict
 from kvobs.forks import renewed_after_fork
 from kvobs.telemetry.accumulators import CounterFamily, GaugeCell, GaugeFamily, HistogramFamily
 from kvobs.telemetry.buffers import ThreadBuffers
-from kvobs.telemetry.failures import TELEMETRY_ERRORS_HELP
+from kvobs.telemetry.failures import TELEMETRY_ERRORS_HELP, Failed
 from kvobs.telemetry.multiprocess import FILE_SPACE, ReservedMetric, check_multiprocess_dir, multiprocess_enabled
 from kvobs.telemetry.process_failures import process_failures, show_process_failures
 from kvobs.telemetry.refresher import Refresher
 
 __all__ = ["FAMILY_SPECS", "Failed", "MetricFamilies", "MultiprocessGaugeFamily"]
 
-Failed = Callable[[str, BaseException], None]
 
 # attribute, metric name, kind, help, multiprocess mode of a gauge
 FAMILY_SPECS: tuple[tuple[str, str, str, str, str], ...] = (

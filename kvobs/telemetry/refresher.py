@@ -14,13 +14,11 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable
 from typing import Any
 
 from kvobs.telemetry.accumulators import GaugeCell
-from kvobs.telemetry.failures import STAGE_METRICS
+from kvobs.telemetry.failures import STAGE_METRICS, Failed
 
-Failed = Callable[[str, BaseException], None]
 
 
 class Refresher:

@@ -22,22 +22,18 @@ and returns an undo handle (call it, or `.undo()`, to restore the object exactly
 Nothing here imports FastDeploy or Paddle: the objects passed in are FastDeploy's.
 """
 
+from kvobs import Instrumentation as Patches
+from kvobs.errors import LaunchFailed, SendFailed
 from kvobs.integrations.fastdeploy.engine import instrument_prefix_cache_manager
 from kvobs.integrations.fastdeploy.lock import FastDeployLock, gpu_cache_lock_path
 from kvobs.integrations.fastdeploy.messager import bridge_cache_messager
-from kvobs.integrations.fastdeploy.patching import Patches
 from kvobs.integrations.fastdeploy.pd import (
     TRACE_KEY,
     DecodeReceives,
-    SendFailed,
     instrument_decode_connector,
     instrument_prefill_connector,
 )
-from kvobs.integrations.fastdeploy.send import (
-    WRITE_ERROR,
-    LaunchFailed,
-    instrument_ipc_comm_manager,
-)
+from kvobs.integrations.fastdeploy.send import WRITE_ERROR, instrument_ipc_comm_manager
 from kvobs.integrations.fastdeploy.transfer import instrument_cache_transfer_manager
 from kvobs.integrations.fastdeploy.worker import instrument_worker_process
 

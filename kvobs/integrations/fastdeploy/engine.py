@@ -15,22 +15,26 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from kvobs import Instrumentation, KVObserver
 from kvobs import semconv as sc
-from kvobs.integrations.fastdeploy.patching import Patches
-from kvobs.observer import KVObserver
+from kvobs.integrations._common import HookFailures
 
 READ_DONE, WRITE_DONE = "STORAGE2GPU", "GPU2STORAGE"  # CacheStatus member names in a done signal
 _TASK_SPECS = {"keys": "task.keys", "block_ids": "task.gpu_block_ids", "request_id": "task.task_id",
                "complete_later": "task.task_id", "sync": "is_sync"}
 
 
-def instrument_prefix_cache_manager(manager: Any, obs: KVObserver) -> Patches:
+def instrument_prefix_cache_manager(manager: Any, obs: KVObserver) -> Instrumentation:
     """Guard `manager`'s two storage issue methods and complete their transfers from its done signals.
 
     Returns the undo handle. Calls made while the manager has no storage backend pass straight through
-    (FastDeploy returns at once and no done signal will ever come).
+    (FastDeploy returns at once and no done signal will ever come). A manager already instrumented for another
+    observer is refused (`AlreadyInstrumented`).
     """
-    patches = Patches()
+    patches = Instrumentation(owner=obs)
+    if not (patches.claims(manager, "issue_prefetch_storage_task", "issue_write_back_storage_task")
+            and patches.claims(manager.cache_task_queue, "get_transfer_done_signal")):
+        return patches  # instrumented for this observer already
     for name, path in (("issue_prefetch_storage_task", sc.PATH_PREFETCH),
                        ("issue_write_back_storage_task", sc.PATH_WRITE_BACK)):
         patches.replace(manager, name, lambda issue, path=path: _issuing(manager, issue, obs.guard(path, **_TASK_SPECS)))
@@ -59,6 +63,7 @@ class DoneSignals:
         self._ranks = ranks
         self._reads: dict[Any, list[list[int]]] = {}  # task id -> block lists answered so far, one per rank
         self._lock = threading.Lock()
+        self._failed = HookFailures(obs)
 
     def reading(self, get_done_signal: Callable[[], Any]) -> Callable[[], Any]:
         """Wrap `get_transfer_done_signal`: what it returns is returned unchanged, whatever kvobs does."""
@@ -69,7 +74,7 @@ class DoneSignals:
                 try:
                     self.seen(data)
                 except Exception as exc:  # noqa: BLE001 - the engine's receiver thread must get its signal
-                    self._obs.logger.error("kvobs.fastdeploy.done_signal_failed", error=repr(exc))
+                    self._failed("done_signal", exc)
             return data
 
         return get_transfer_done_signal

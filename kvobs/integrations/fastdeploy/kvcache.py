@@ -13,6 +13,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvobs.integrations._common import checkable
+
 Tensors = Callable[[], Sequence[Sequence[Any]]]
 
 
@@ -38,13 +40,8 @@ class LayerCaches:
 def _checkable(tensors: tuple[Any, ...]) -> tuple[Any, ...] | None:
     if not tensors:
         return None
-    from kvobs.integrity import validate_cache
-
-    try:
-        validate_cache(list(tensors))
-    except (TypeError, ValueError):
-        return None  # integer (fp8-as-uint8) caches hold no NaN/Inf to find
-    return tensors
+    cache, _ = checkable(list(tensors))  # integer (fp8-as-uint8) caches hold no NaN/Inf to find
+    return None if cache is None else tensors
 
 
 def per_layer(keys: Callable[[], Sequence[Any]], values: Callable[[], Sequence[Any]]) -> Callable[[int], Any]:

@@ -6,19 +6,17 @@ FastDeploy's GPU worker (with `FD_USE_KVCACHE_LOCK`) takes an `fcntl.flock` on
 own would not exclude that flock. `FastDeployLock` locks that very file, so a kvobs-guarded process and an
 unmodified FastDeploy process exclude each other, and kvobs's side is timed, interrupt-safe and observed.
 
-The file is FastDeploy's (its engine creates it, mode 0600), so it is adopted, never created: it must be a
-regular file owned by this user, reached without following a symlink (see `kvobs.lockfile`).
+The file is FastDeploy's (its engine creates it, mode 0600), so it is adopted, never created
+(`ProcessLock(file=...)`).
 """
 
 from __future__ import annotations
 
 import functools
 import os
-import threading
 from typing import Any
 
-from kvobs.lockfile import open_lock_file
-from kvobs.locks import _LOCKS, ProcessLock
+from kvobs import ProcessLock
 
 LOCK_NAME = "gpu_cache_lock"
 
@@ -35,22 +33,16 @@ class FastDeployLock(ProcessLock):
 
     port: the engine's `local_engine_worker_queue_port` (the file's suffix).
     directory: where the file is; default as FastDeploy decides (`/dev/shm`, else `/tmp`).
+    timeout: how long `acquire()`, `with lock:` and an observer without `lock_timeout` wait for it.
     A missing file is a FileNotFoundError (FastDeploy's engine creates it at start-up); a symlink, a file that
-    is not regular or one owned by another user is refused (`kvobs.lockfile.UnsafeLockFile`).
+    is not regular or one owned by another user is refused (`kvobs.errors.UnsafeLockFile`).
     """
 
     def __init__(self, port: int | str, *, directory: str | os.PathLike[str] | None = None,
                  timeout: float | None = None) -> None:
-        # ProcessLock derives its file from a name in kvobs's private directory; this file is FastDeploy's.
         self.port = port
-        self.path = gpu_cache_lock_path(port, directory)
-        self.directory = os.path.dirname(self.path)
-        self.name = f"fastdeploy_{LOCK_NAME}"  # a metric label: the port stays out of it
-        self.timeout = timeout
-        self._fd = open_lock_file(self.path, create=False, adopt=True)
-        self._mutex = threading.Lock()
-        self._init_holding()
-        _LOCKS.add(self)  # a forked child re-opens the file, as for every ProcessLock
+        # a metric label: the port stays out of it
+        super().__init__(f"fastdeploy_{LOCK_NAME}", file=gpu_cache_lock_path(port, directory), timeout=timeout)
 
     def __reduce__(self) -> tuple[Any, ...]:
         # A spawned process opens the same file again (never creates it).

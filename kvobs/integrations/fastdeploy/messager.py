@@ -30,16 +30,16 @@ from typing import Any
 
 import numpy as np
 
-from kvobs.integrations.fastdeploy.patching import Patches
+from kvobs import Instrumentation
+from kvobs.integrations._common import HookFailures, default_logger
 from kvobs.signals import EarlySignalBuffer, StepAlignedSignalBuffer
-from kvobs.telemetry.logs import default_logger
 
 SIGNAL_READER = "get_output_kv_signal"  # the module function `consume_signals` reads the array with
 NO_SIGNAL = -1
 
 
 def bridge_cache_messager(messager: Any, buffer: EarlySignalBuffer | StepAlignedSignalBuffer, *,
-                          module: ModuleType | None = None, logger: Any = None) -> Patches:
+                          module: ModuleType | None = None, logger: Any = None) -> Instrumentation:
     """Bridge `buffer` into `messager` (a `CacheMessagerV1` on a prefill node). Returns the undo handle.
 
     module: where `consume_signals` finds `get_output_kv_signal` (default: the messager class's module).
@@ -49,8 +49,10 @@ def bridge_cache_messager(messager: Any, buffer: EarlySignalBuffer | StepAligned
     if not isinstance(buffer, (EarlySignalBuffer, StepAlignedSignalBuffer)):
         raise TypeError(f"buffer must be an EarlySignalBuffer or StepAlignedSignalBuffer, got {buffer!r}")
     bridge = SignalBridge(messager, buffer, logger if logger is not None else default_logger())
-    patches = Patches()
+    patches = Instrumentation()  # no observer: bridging again with any buffer changes nothing
     queue = messager.engine_worker_queue
+    if not patches.claims(queue, "put_finished_add_cache_task_req", "put_finished_req"):
+        return patches  # bridged already
     patches.replace(queue, "put_finished_add_cache_task_req", bridge.registering)
     patches.replace(queue, "put_finished_req", bridge.finishing)
     detach = READERS.attach(module or sys.modules[type(messager).__module__], messager.rank_id, bridge)
@@ -67,6 +69,7 @@ class SignalBridge:
         self.buffer = buffer
         self.logger = logger
         self.step_aligned = isinstance(buffer, StepAlignedSignalBuffer)
+        self._failed = HookFailures(logger=logger)
 
     # -- the signal array, after each read ---------------------------------------------------------------
 
@@ -155,7 +158,7 @@ class SignalBridge:
         try:
             step(arg)
         except Exception as exc:  # noqa: BLE001 - the messager's own thread must go on
-            self.logger.error("kvobs.fastdeploy.bridge_failed", step=step.__name__, error=repr(exc))
+            self._failed(step.__name__, exc)
 
 
 def _writable_view(data: Any) -> np.ndarray:
@@ -174,16 +177,16 @@ class _Readers:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._modules: dict[ModuleType, tuple[Callable[..., Any], dict[Any, SignalBridge]]] = {}
+        self._modules: dict[ModuleType, tuple[Instrumentation, dict[Any, SignalBridge]]] = {}
 
     def attach(self, module: ModuleType, rank_id: Any, bridge: SignalBridge) -> Callable[[], None] | None:
         """Dispatch `rank_id`'s reads to `bridge`; the undo, or None when that rank is bridged already."""
         with self._lock:
             if module not in self._modules:
-                original = getattr(module, SIGNAL_READER)
                 bridges: dict[Any, SignalBridge] = {}
-                self._modules[module] = (original, bridges)
-                setattr(module, SIGNAL_READER, _dispatching(original, bridges))
+                patches = Instrumentation()
+                patches.replace(module, SIGNAL_READER, lambda read: _dispatching(read, bridges))
+                self._modules[module] = (patches, bridges)
             bridges = self._modules[module][1]
             if rank_id in bridges:
                 return None
@@ -192,11 +195,11 @@ class _Readers:
 
     def _detach(self, module: ModuleType, rank_id: Any, bridge: SignalBridge) -> None:
         with self._lock:
-            original, bridges = self._modules.get(module, (None, {}))
+            patches, bridges = self._modules.get(module, (None, {}))
             if bridges.get(rank_id) is bridge:
                 del bridges[rank_id]
-            if original is not None and not bridges:
-                setattr(module, SIGNAL_READER, original)
+            if patches is not None and not bridges:
+                patches.undo()
                 del self._modules[module]
 
 

@@ -17,26 +17,19 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from kvobs import Instrumentation, KVObserver
 from kvobs import semconv as sc
-from kvobs.errors import KVObsError
-from kvobs.integrations.fastdeploy.patching import Patches
-from kvobs.observer import KVObserver
+from kvobs.errors import KVObsError, SendFailed
 
 TRACE_KEY = "kvobs_trace"  # in a request's `disaggregate_info`: the prefill send's W3C trace context
 
 
-class SendFailed(KVObsError, RuntimeError):
-    """The prefill node's cache messagers reported an error status for the request's send."""
-
-    fields = ("request_id", "status")
-
-    def message(self) -> str:
-        return f"the cache send of request {self.request_id!r} ended with status {self.status!r}"
-
-
-def instrument_prefill_connector(connector: Any, obs: KVObserver) -> Patches:
+def instrument_prefill_connector(connector: Any, obs: KVObserver) -> Instrumentation:
     """Send transfers per request on a prefill engine's `SplitwiseConnector`. Returns the undo handle."""
-    patches = Patches()
+    patches = Instrumentation(owner=obs)
+    if not (patches.claims(connector, "send_splitwise_tasks")
+            and patches.claims(connector.engine_worker_queue, "get_finished_req")):
+        return patches  # instrumented for this observer already
     patches.replace(connector, "send_splitwise_tasks", lambda send: _handing_over(obs, send))
     patches.replace(connector.engine_worker_queue, "get_finished_req", lambda get: _finishing(obs, get))
     return patches
@@ -66,11 +59,11 @@ def _finishing(obs: KVObserver, get: Callable[[], Any]) -> Callable[[], Any]:
     return get_finished_req
 
 
-class DecodeReceives(Patches):
+class DecodeReceives(Instrumentation):
     """The undo handle of `instrument_decode_connector`, which also ends the receive transfers."""
 
     def __init__(self, obs: KVObserver) -> None:
-        super().__init__()
+        super().__init__(owner=obs)
         self._obs = obs
 
     def received(self, request_id: Any) -> None:

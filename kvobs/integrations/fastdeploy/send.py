@@ -16,44 +16,34 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from kvobs import Instrumentation, KVObserver
 from kvobs import semconv as sc
-from kvobs.errors import KVObsError
+from kvobs.errors import LaunchFailed
+from kvobs.integrations._common import require_sharing_lock
 from kvobs.integrations.fastdeploy.kvcache import per_layer
-from kvobs.integrations.fastdeploy.patching import Patches
-from kvobs.locks import Claim
-from kvobs.observer import KVObserver
 
 _SEQUENCE = itertools.count()  # send keys unique in the process, whatever observer and manager they are for
 WRITE_ERROR = 1  # a non-zero `write_cache` return code: the messager marks the request "write cache error"
 
 
-class LaunchFailed(KVObsError, RuntimeError):
-    """`write_cache` returned an error code: the copy was not launched (the send transfer's error)."""
-
-    fields = ("remote_gpu_id", "layer_idx", "code")
-
-    def message(self) -> str:
-        return f"write_cache to GPU {self.remote_gpu_id}, layer {self.layer_idx}, returned {self.code}: not launched"
-
-
-def instrument_ipc_comm_manager(comm: Any, obs: KVObserver) -> Patches:
+def instrument_ipc_comm_manager(comm: Any, obs: KVObserver) -> Instrumentation:
     """Send transfers for `comm`'s `write_cache` calls, completed by `write_block_by_sync`. Returns the undo.
 
     Many sends are open at once (every layer until the sync), so the observer's lock must let them share
     (lock=None, or a BlockLock: sends read their blocks); a global lock is refused here, as the second
-    layer's send would wait for the first one's sync, which comes after it.
+    layer's send would wait for the first one's sync, which comes after it (`SharingLockRequired`). A manager
+    already instrumented for another observer is refused (`AlreadyInstrumented`).
     """
-    if obs.lock.overlaps(Claim(sc.PATH_SEND, (0,), False), Claim(sc.PATH_SEND, (1,), False)):
-        raise ValueError(
-            f"instrument_ipc_comm_manager: the observer's lock {obs.lock!r} lets one send at a time, but every "
-            "layer's send stays open until write_block_by_sync; use KVObserver(lock=None) or a BlockLock"
-        )
+    require_sharing_lock(obs, "instrument_ipc_comm_manager",
+                         "every layer's send stays open until write_block_by_sync, after the last layer")
+    patches = Instrumentation(owner=obs)
+    if not patches.claims(comm, "write_cache", "write_block_by_sync"):
+        return patches  # instrumented for this observer already
     sends = OpenSends(obs)
     layer_cache = per_layer(lambda: comm.local_key_cache_tensor_list, lambda: comm.local_value_cache_tensor_list)
     guard = obs.send(block_ids="local_block_ids", complete_later=sends.next_key,
                      cache=lambda ip, remote_gpu_id, local, remote, layer_idx: layer_cache(layer_idx),
                      on_corrupt=lambda t, bad_ids: WRITE_ERROR)
-    patches = Patches()
     patches.replace(comm, "write_cache", lambda write: sends.launching(guard(write)))
     patches.replace(comm, "write_block_by_sync", sends.syncing)
     return patches

@@ -23,23 +23,26 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from kvobs import Instrumentation, KVObserver, Transfer
+from kvobs.integrations._common import HookFailures
 from kvobs.integrations.fastdeploy.engine import READ_DONE, WRITE_DONE
 from kvobs.integrations.fastdeploy.kvcache import LayerCaches
-from kvobs.integrations.fastdeploy.patching import Patches
-from kvobs.observer import KVObserver
-from kvobs.transfer import Transfer
 
 _COPY_SPECS = {"keys": "k_cache_keys", "block_ids": "gpu_block_ids", "request_id": "task_id"}
 NOTHING_WRITTEN = 0  # what `_run_write_back_storage` returns when it wrote no block
 
 
-def instrument_cache_transfer_manager(manager: Any, obs: KVObserver) -> Patches:
-    """Guard `manager`'s storage copies and carry kvobs's verdicts in its done signals. Returns the undo."""
+def instrument_cache_transfer_manager(manager: Any, obs: KVObserver) -> Instrumentation:
+    """Guard `manager`'s storage copies and carry kvobs's verdicts in its done signals. Returns the undo. A
+    manager already instrumented for another observer is refused (`AlreadyInstrumented`)."""
+    patches = Instrumentation(owner=obs)
+    if not (patches.claims(manager, "_run_read_storage", "_run_write_back_storage")
+            and patches.claims(manager.cache_task_queue, "put_transfer_done_signal")):
+        return patches  # instrumented for this observer already
     caches = LayerCaches(lambda: (manager.gpu_cache_k_tensors, manager.gpu_cache_v_tensors))
-    verdicts = Verdicts()
+    verdicts = Verdicts(HookFailures(obs))
     read = obs.prefetch(cache=caches, result=list, on_corrupt=verdicts.nothing_loaded, **_COPY_SPECS)
     write = obs.write_back(cache=caches, on_corrupt=verdicts.nothing_written, **_COPY_SPECS)
-    patches = Patches()
     patches.replace(manager, "_run_read_storage", read)  # the manager's bound copy keeps its `self`
     patches.replace(manager, "_run_write_back_storage", write)
     patches.replace(manager.cache_task_queue, "put_transfer_done_signal", verdicts.applied)
@@ -49,9 +52,10 @@ def instrument_cache_transfer_manager(manager: Any, obs: KVObserver) -> Patches:
 class Verdicts:
     """Tasks whose copy kvobs left out because of corrupt blocks, until their done signal goes out."""
 
-    def __init__(self) -> None:
+    def __init__(self, failed: HookFailures) -> None:
         self._left_out: set[tuple[str, Any]] = set()
         self._lock = threading.Lock()
+        self._failed = failed
 
     def nothing_loaded(self, t: Transfer, bad_ids: tuple[int, ...]) -> list[int]:
         self._record(READ_DONE, t.request_id)
@@ -71,8 +75,8 @@ class Verdicts:
         def put_transfer_done_signal(result: Any) -> Any:
             try:
                 result = self._verdict(result)
-            except Exception:  # noqa: BLE001, S110 - the done signal must go out whatever happens here
-                pass
+            except Exception as exc:  # noqa: BLE001 - the done signal must go out whatever happens here
+                self._failed("done_signal_verdict", exc)
             return put_done_signal(result)
 
         return put_transfer_done_signal

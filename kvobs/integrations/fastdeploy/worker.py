@@ -12,22 +12,23 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvobs import Instrumentation, KVObserver, instrument
 from kvobs import semconv as sc
-from kvobs.instrument import instrument
-from kvobs.integrations.fastdeploy.patching import Patches
-from kvobs.observer import KVObserver
 
 LOCKING_RANK = 0  # the tensor-parallel rank whose worker takes FastDeploy's GPU-cache lock
 
 
-def instrument_worker_process(proc: Any, obs: KVObserver, *, holder: str = sc.HOLDER_FORWARD) -> Patches:
+def instrument_worker_process(proc: Any, obs: KVObserver, *, holder: str = sc.HOLDER_FORWARD) -> Instrumentation:
     """Take `obs.lock` around `proc.worker.execute_model` on the locking rank, instead of FastDeploy.
 
     proc: FastDeploy's `PaddleDisWorkerProc` (its `local_rank`, `parallel_config.tensor_parallel_size`,
-    `worker`, `_acquire_kvcache_lock` / `_release_kvcache_lock`). Returns the undo handle.
+    `worker`, `_acquire_kvcache_lock` / `_release_kvcache_lock`). Returns the undo handle. A process already
+    instrumented for another observer is refused (`AlreadyInstrumented`).
     """
     tp_rank = proc.local_rank % proc.parallel_config.tensor_parallel_size
-    patches = Patches()
+    patches = Instrumentation(owner=obs)
+    if not patches.claims(proc, "_acquire_kvcache_lock", "_release_kvcache_lock"):
+        return patches  # instrumented for this observer already
     patches.replace(proc, "_acquire_kvcache_lock", lambda _: _kvobs_holds("_acquire_kvcache_lock"))
     patches.replace(proc, "_release_kvcache_lock", lambda _: _kvobs_holds("_release_kvcache_lock"))
     if tp_rank == LOCKING_RANK:

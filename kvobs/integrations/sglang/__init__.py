@@ -11,9 +11,11 @@ Run it in the process that runs SGLang's scheduler (SGLang's own modules are imp
 by `import kvobs`). Every call returns a handle whose `undo()` restores SGLang's classes exactly.
 """
 
-from kvobs.integrations.sglang.errors import CopyNotConfirmed
+from kvobs import Instrumentation as Patches
+from kvobs.errors import CopyNotConfirmed
 from kvobs.integrations.sglang.hicache import instrument_hicache
-from kvobs.integrations.sglang.patching import Patches, is_instrumented
 from kvobs.integrations.sglang.pd import instrument_pd
+
+is_instrumented = Patches.is_instrumented
 
 __all__ = ["CopyNotConfirmed", "Patches", "instrument_hicache", "instrument_pd", "is_instrumented"]

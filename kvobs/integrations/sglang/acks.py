@@ -16,9 +16,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from kvobs.errors import KVObsError
-from kvobs.integrations.sglang.errors import CopyNotConfirmed
-from kvobs.transfer import Transfer
+from kvobs import Transfer
+from kvobs.errors import CopyNotConfirmed, KVObsError
 
 
 class AckWatcher:

@@ -22,14 +22,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvobs import Instrumentation, KVObserver
 from kvobs import semconv as sc
-from kvobs.errors import CorruptKVError, KVObsError, LockTimeout
+from kvobs.errors import CopyNotConfirmed, CorruptKVError, KVObsError, LockTimeout
+from kvobs.integrations._common import HookFailures, require_sharing_lock
 from kvobs.integrations.sglang.acks import AckList, AckWatcher
-from kvobs.integrations.sglang.common import HookErrors, node_id, refuse_global_lock
-from kvobs.integrations.sglang.errors import CopyNotConfirmed
+from kvobs.integrations.sglang.common import COPIES_IN_FLIGHT, node_id
 from kvobs.integrations.sglang.pages import PageIds, page_views
-from kvobs.integrations.sglang.patching import Patches, is_instrumented
-from kvobs.observer import KVObserver
 
 DEVICE_POOL = "device_pool"
 CacheOf = Callable[[Any], Any]
@@ -55,7 +54,7 @@ class Controllers:
     def __init__(self, obs: KVObserver, cache: CacheOf | str | None) -> None:
         self.obs = obs
         self._cache = cache
-        self._errors = HookErrors(obs)
+        self._errors = HookFailures(obs)
         self._states: weakref.WeakKeyDictionary[Any, ControllerState] = weakref.WeakKeyDictionary()
         self._states_lock = threading.Lock()
         self._inside = threading.local()  # a subclass's write/load calling the base's: observed once
@@ -165,21 +164,23 @@ def _bytes_per_slot(controller: Any) -> int | None:
     return size if isinstance(size, int) else None
 
 
-def instrument_hicache(obs: KVObserver, target: Any = None, *, cache: CacheOf | str | None = DEVICE_POOL) -> Patches:
+def instrument_hicache(obs: KVObserver, target: Any = None, *,
+                       cache: CacheOf | str | None = DEVICE_POOL) -> Instrumentation:
     """Observe HiCache's copies: `target` is a controller object, a controller class, or None for SGLang's
     `HiCacheController` and `HybridCacheController` (the radix cache's). `cache`: "device_pool" checks the
     controller's own device KV pool; a callable(controller) returns what to check; None checks nothing.
-    Returns the undo handle. The observer's lock must be None or a BlockLock (see `common.refuse_global_lock`)."""
-    refuse_global_lock(obs)
+    Returns the undo handle. The observer's lock must be None or a BlockLock (`SharingLockRequired`); a
+    controller already instrumented for another observer is refused (`AlreadyInstrumented`)."""
+    require_sharing_lock(obs, "instrument_hicache", COPIES_IN_FLIGHT)
     if cache is not None and cache != DEVICE_POOL and not callable(cache):
         raise TypeError(f"cache must be 'device_pool', a callable(controller) or None, got {cache!r}")
     hooks = Controllers(obs, cache)
-    patches = Patches()
+    patches = Instrumentation(owner=obs)
     patches.add(hooks.detach)
     try:
         for each in _controller_classes() if target is None else [target]:
-            if is_instrumented(getattr(each, "write", None)):
-                continue  # kvobs observes it already
+            if not patches.claims(each, "write", "load"):
+                continue  # kvobs observes it already, for this observer
             if not isinstance(each, type):
                 hooks.state(each)  # a controller object: checked (page size) and its lists watched from now on
             patches.wrap_method(each, "write", hooks.write)

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvobs.integrations._common import checkable, int_list
+
 
 class PageIds:
     """Converts SGLang's token slots or pages into the ids the observer reads (slots with `page_size`)."""
@@ -33,18 +35,14 @@ class PageIds:
         if self.slots:
             return slots
         size = self.page_size
-        return sorted({s // size for s in _ints(slots)})
+        return sorted({s // size for s in int_list(slots)})
 
     def from_pages(self, pages: Any) -> Any:
         """Page ids as the observer's ids: unchanged, or the first token slot of each page."""
         if not self.slots:
             return pages
         size = self.page_size
-        return [p * size for p in _ints(pages)]
-
-
-def _ints(ids: Any) -> list[int]:
-    return ids.tolist() if hasattr(ids, "tolist") else list(ids)
+        return [p * size for p in int_list(pages)]
 
 
 def page_views(pool: Any, page_size: int) -> tuple[list[Any] | None, str]:
@@ -64,4 +62,4 @@ def page_views(pool: Any, page_size: int) -> tuple[list[Any] | None, str]:
         if rows % page_size or not tensor.is_contiguous():
             return None, f"a KV tensor of shape {tuple(tensor.shape)} is not contiguous pages of {page_size} slots"
         views.append(tensor.view(rows // page_size, page_size, *tensor.shape[1:]))
-    return views, ""
+    return checkable(views)

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvobs import Instrumentation, KVObserver
+from kvobs.integrations._common import require_sharing_lock
 from kvobs.integrations.sglang.carrier import RoomCarriers
-from kvobs.integrations.sglang.common import refuse_global_lock
-from kvobs.integrations.sglang.patching import Patches
+from kvobs.integrations.sglang.common import COPIES_IN_FLIGHT
 from kvobs.integrations.sglang.pd_caches import ManagerCaches
 from kvobs.integrations.sglang.pd_receive import Receivers
 from kvobs.integrations.sglang.pd_send import Senders
-from kvobs.observer import KVObserver
 
 
-def instrument_pd(obs: KVObserver, *, cache: Any = None) -> Patches:
+def instrument_pd(obs: KVObserver, *, cache: Any = None) -> Instrumentation:
     """Observe SGLang's PD transfers in this process (prefill, decode, or both):
 
     - prefill: each `CommonKVSender.send` chunk is a send transfer (sources checked before it is queued),
@@ -25,8 +25,9 @@ def instrument_pd(obs: KVObserver, *, cache: Any = None) -> Patches:
     `cache`: the KV to check, see `pd_caches` (an SGLang device pool, page-indexed tensors, a
     callable(kv_manager) returning either, or None to observe without checks). Patches SGLang's common
     classes, which Mooncake, NIXL and Mori derive from. Returns the undo handle. The observer's lock must be
-    None or a BlockLock (see `common.refuse_global_lock`)."""
-    refuse_global_lock(obs)
+    None or a BlockLock (`SharingLockRequired`); classes already instrumented for another observer are refused
+    (`AlreadyInstrumented`)."""
+    require_sharing_lock(obs, "instrument_pd", COPIES_IN_FLIGHT)
     from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.disaggregation.common.conn import (
         CommonKVManager,
@@ -37,7 +38,7 @@ def instrument_pd(obs: KVObserver, *, cache: Any = None) -> Patches:
     caches = ManagerCaches(obs, cache)
     senders = Senders(obs, caches, RoomCarriers(), KVPoll)
     receivers = Receivers(obs, caches, RoomCarriers(), KVPoll)
-    patches = Patches()
+    patches = Instrumentation(owner=obs)
     try:
         for name, hook in (("send", senders.send), ("poll", senders.poll),
                            ("poll_pp_consensus", senders.poll), ("abort", senders.abort)):

@@ -12,8 +12,8 @@ import threading
 import weakref
 from typing import Any, NamedTuple
 
+from kvobs import KVObserver
 from kvobs.integrations.sglang.pages import PageIds, page_views
-from kvobs.observer import KVObserver
 
 
 class ManagerView(NamedTuple):

@@ -19,13 +19,13 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from kvobs import KVObserver
 from kvobs import semconv as sc
-from kvobs.errors import CorruptKVError, KVObsError
+from kvobs.errors import CopyNotConfirmed, CorruptKVError, KVObsError
+from kvobs.integrations._common import int_list
 from kvobs.integrations.sglang.carrier import RoomCarriers, split_trace_context
 from kvobs.integrations.sglang.common import RoomHooks
-from kvobs.integrations.sglang.errors import CopyNotConfirmed
 from kvobs.integrations.sglang.pd_caches import ManagerCaches
-from kvobs.observer import KVObserver
 
 
 class Receivers(RoomHooks):
@@ -39,7 +39,7 @@ class Receivers(RoomHooks):
                       **kwargs: Any) -> Any:
         result = original(receiver, kv_indices, *args, **kwargs)
         with self._lock:
-            self._pages[receiver] = kv_indices.tolist() if hasattr(kv_indices, "tolist") else list(kv_indices)
+            self._pages[receiver] = int_list(kv_indices)
         return result
 
     def parse(self, original: Callable[..., Any], manager: Any, msg: Any, *args: Any, **kwargs: Any) -> Any:

@@ -19,14 +19,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvobs import KVObserver, Transfer
 from kvobs import semconv as sc
-from kvobs.errors import CorruptKVError, KVObsError, LockTimeout
+from kvobs.errors import CopyNotConfirmed, CorruptKVError, KVObsError, LockTimeout
 from kvobs.integrations.sglang.carrier import RoomCarriers, with_trace_context
 from kvobs.integrations.sglang.common import RoomHooks
-from kvobs.integrations.sglang.errors import CopyNotConfirmed
 from kvobs.integrations.sglang.pd_caches import ManagerCaches
-from kvobs.observer import KVObserver
-from kvobs.transfer import Transfer
 
 
 @dataclass(eq=False)

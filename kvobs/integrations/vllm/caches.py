@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from kvobs.integrity import validate_cache
+from kvobs.integrations._common import checkable
 
 
 def checkable_caches(kv_caches: Mapping[str, Any], num_blocks: int) -> tuple[list[Any] | None, list[str]]:
@@ -39,8 +39,4 @@ def _block_view(tensor: Any, num_blocks: int) -> tuple[Any, str]:
     if shape[0] % num_blocks:
         return None, f"dim 0 ({shape[0]}) is not a multiple of the {num_blocks} KV blocks"
     view = tensor if shape[0] == num_blocks else tensor.unflatten(0, (num_blocks, -1))
-    try:
-        validate_cache(view)
-    except (TypeError, ValueError) as exc:
-        return None, str(exc)
-    return view, ""
+    return checkable(view)

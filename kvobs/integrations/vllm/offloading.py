@@ -21,11 +21,10 @@ from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 from kvobs import semconv as sc
-from kvobs.integrations.vllm.transfers import (
-    EngineReportedFailure,
-    StaleSource,
-    Transfers,
-)
+from kvobs import Instrumentation
+from kvobs.errors import EngineReportedFailure, StaleSource
+from kvobs.integrations._common import int_list
+from kvobs.integrations.vllm.transfers import Transfers
 
 
 class LoadFailure(NamedTuple):
@@ -44,18 +43,18 @@ class _Load(NamedTuple):
 
 
 def block_ids(spec: Any) -> list[int]:
-    return [int(b) for b in spec.block_ids]
+    return int_list(spec.block_ids)
 
 
 def group_sizes(spec: Any) -> list[int] | None:
     sizes = getattr(spec, "group_sizes", None)
-    return None if sizes is None else [int(s) for s in sizes]
+    return None if sizes is None else int_list(sizes)
 
 
 def _medium_ids(spec: Any) -> set[tuple[str, int]] | None:
     """Where a store writes, named by the medium's spec type and its block (chunk) ids; None if unknown."""
     ids = getattr(spec, "block_ids", None)
-    return None if ids is None else {(type(spec).__name__, int(b)) for b in ids}
+    return None if ids is None else {(type(spec).__name__, b) for b in int_list(ids)}
 
 
 class OffloadingWatch:
@@ -72,14 +71,13 @@ class OffloadingWatch:
         self._skipped: list[int] = []
         self._skipped_ids: set[int] = set()
         self._stale: set[tuple[str, int]] = set()
-        self._undo = [_hook(worker, name, make) for name, make in (
-            ("submit_load", self._submit_load), ("submit_store", self._submit_store),
-            ("get_finished", self._get_finished), ("wait", self._wait))]
+        self._patches = Instrumentation(owner=transfers.obs)
+        for name, make in (("submit_load", self._submit_load), ("submit_store", self._submit_store),
+                           ("get_finished", self._get_finished), ("wait", self._wait)):
+            self._patches.replace(worker, name, make)  # on this worker instance only
 
     def undo(self) -> None:
-        for undo in reversed(self._undo):
-            undo()
-        self._undo = []
+        self._patches.undo()
 
     def note_stores(self, metadata: Any) -> None:
         """The store jobs `metadata` queues: their requests, kept until they are submitted."""
@@ -171,19 +169,3 @@ class OffloadingWatch:
 
         return wait
 
-
-_ABSENT = object()
-
-
-def _hook(target: Any, name: str, make: Callable[[Any], Any]) -> Callable[[], None]:
-    """Replace `target.name` on this instance only by `make(original)`; returns the undo."""
-    before = vars(target).get(name, _ABSENT)
-    setattr(target, name, make(getattr(target, name)))
-
-    def undo() -> None:
-        if before is _ABSENT:
-            vars(target).pop(name, None)
-        else:
-            setattr(target, name, before)
-
-    return undo

@@ -13,8 +13,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvobs import semconv as sc
+from kvobs.errors import EngineReportedFailure
+from kvobs.integrations._common import int_list
 from kvobs.integrations.vllm.offloading import LoadFailure
-from kvobs.integrations.vllm.transfers import EngineReportedFailure, Transfers
+from kvobs.integrations.vllm.transfers import Transfers
 
 NULL_BLOCK = 0  # vLLM's placeholder for a block a KV group does not hold (e.g. out of a sliding window)
 
@@ -24,7 +26,7 @@ def per_group(block_ids: Any) -> list[list[int]]:
     groups = list(block_ids or ())
     if groups and not isinstance(groups[0], (list, tuple)):
         groups = [groups]
-    return [[int(b) for b in group if int(b) != NULL_BLOCK] for group in groups]
+    return [[b for b in int_list(group) if b != NULL_BLOCK] for group in groups]
 
 
 def flat(groups: list[list[int]]) -> tuple[list[int], list[int]]:

@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from kvobs import semconv as sc
+from kvobs.integrations._common import int_list
 from kvobs.integrations.vllm.offloading import LoadFailure
 from kvobs.integrations.vllm.transfers import Transfers
 
@@ -78,7 +79,7 @@ class SyncWatch:
     def _block_ids(self, request: Any) -> tuple[int, ...]:
         slots = request.slot_mapping
         blocks = slots // self.block_size
-        return tuple(sorted({int(b) for b in blocks.tolist()}))
+        return tuple(sorted(set(int_list(blocks))))
 
 
 def _requests(parts: Iterable[Any]) -> Iterable[list[Any]]:

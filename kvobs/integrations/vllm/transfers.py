@@ -12,32 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvobs.errors import CorruptKVError, KVObsError, TransferRejected
+from kvobs.errors import CorruptKVError, TransferRejected
 from kvobs.policy import IntegrityPolicy
-
-
-class EngineReportedFailure(KVObsError):
-    """vLLM said a copy failed (a failed receive, a failed or refused job): the transfer's recorded error."""
-
-    def __init__(self, path: str, key: Any, reason: str) -> None:
-        super().__init__(f"vLLM reported the {path} transfer {key!r} as failed: {reason}")
-        self.path = path
-        self.key = key
-        self.reason = reason
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return type(self), (self.path, self.key, self.reason)
-
-
-class StaleSource(KVObsError):
-    """A load read from where a corrupt store was left out: what it brought is not what vLLM thinks it is."""
-
-    def __init__(self, key: Any) -> None:
-        super().__init__(f"load {key!r} read from where a corrupt store was left out: its data is stale")
-        self.key = key
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return type(self), (self.key,)
 
 
 class _Marker:

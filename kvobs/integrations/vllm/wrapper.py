@@ -15,6 +15,7 @@ from typing import Any
 
 import kvobs.integrations.vllm.children as children
 from kvobs.errors import CorruptKVError, LockTimeout
+from kvobs.integrations._common import HookFailures
 from kvobs.integrations.vllm.observers import observer_for
 from kvobs.integrations.vllm.scheduler import SchedulerSide, load_failure_policy
 from kvobs.integrations.vllm.transfers import Transfers
@@ -71,8 +72,8 @@ class WrapperMethods:
             return observe(*args)
         except _DELIBERATE:
             raise
-        except Exception as exc:
-            self._kvobs_transfers.obs.logger.exception("kvobs.vllm: observation failed", error=repr(exc))
+        except Exception as exc:  # noqa: BLE001 - observing never changes what vLLM sees
+            HookFailures(self._kvobs_transfers.obs)(getattr(observe, "__name__", "observe"), exc)
             return fallback
 
     # -- worker side ------------------------------------------------------------------------------------
