@@ -50,12 +50,6 @@ class PagedKVCache:
             values = values + (ctx * 0.0).to(self.dtype)
         self.data[block_id].copy_(values)
 
-    def read_block(self, block_id: int) -> torch.Tensor:
-        return self.data[block_id].clone()
-
-    def write_block(self, block_id: int, values: torch.Tensor) -> None:
-        self.data[block_id].copy_(values)
-
 
 _VALUES_CACHE: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
 
