@@ -13,9 +13,10 @@ from typing import Any
 import pytest
 
 from kvobs.atomic import release_now
-from kvobs.block_descriptions import PROC_FD, DescriptionPool
+from kvobs.block_descriptions import DescriptionPool
 from kvobs.block_lock import _MAX_BLOCKS, BlockLock
 from kvobs.errors import LockTimeout
+from kvobs.lockfile import PROC_FD
 from kvobs.locks import Claim
 
 

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from kvobs.forks import in_forked_child
 from kvobs.integrity.arrays import installed_torch
 from kvobs.integrity.kernel import KernelPlan
 
@@ -116,4 +117,4 @@ def _forget_pool_in_child() -> None:
     _jobs, _started, _pool_lock = queue.SimpleQueue(), 0, threading.Lock()
 
 
-os.register_at_fork(after_in_child=_forget_pool_in_child)
+in_forked_child(_forget_pool_in_child)

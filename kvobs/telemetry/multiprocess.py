@@ -30,6 +30,7 @@ from prometheus_client.utils import floatToGoString
 
 from kvobs import semconv as sc
 from kvobs.errors import MultiprocessDirError, MultiprocessDirFull
+from kvobs.forks import in_forked_child
 from kvobs.telemetry.failures import STAGE_METRICS, TelemetryFailures
 
 
@@ -226,7 +227,7 @@ class FileSpace:
 
 
 FILE_SPACE = FileSpace()
-os.register_at_fork(after_in_child=FILE_SPACE._after_fork_in_child)
+in_forked_child(FILE_SPACE._after_fork_in_child)
 
 
 def _grown(size: int, needed: int) -> int:

@@ -9,7 +9,6 @@ collected with its readers, and its series are set to 0 on the next round.
 from __future__ import annotations
 
 import itertools
-import os
 import threading
 import time
 import weakref
@@ -17,6 +16,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from kvobs.forks import in_forked_child
 from kvobs.telemetry.accumulators import GaugeCell
 from kvobs.telemetry.failures import STAGE_METRICS
 
@@ -42,7 +42,7 @@ class Refresher:
         with cls._instance_lock:
             if cls._instance is None:
                 cls._instance = cls()
-                os.register_at_fork(after_in_child=_restart_in_child)
+                in_forked_child(_restart_in_child)
             return cls._instance
 
     def watch(self, cell: GaugeCell, child: Any, failed: Failed) -> None:
