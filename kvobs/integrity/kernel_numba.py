@@ -215,8 +215,8 @@ def ready(word: type) -> Callable[..., int]:
     """block_flags for one word width, compiled (or loaded from the disk cache) once: at validation, not
     inside the first check. Thread-safe (numba compiles under its own lock; a repeat is a no-op).
 
-    Returned is the compiled entry point itself, which skips numba's per-call type dispatch (about 15 us of
-    a check that starts with cold CPU caches). It trusts its arguments: call it only with arrays of exactly
+    Returned is the compiled entry point itself, which skips numba's per-call type dispatch (a large part of a
+    small check's time, see docs/benchmarks.md). It trusts its arguments: call it only with arrays of exactly
     the compiled types (`kernel.plan` builds them), never with a caller's own arrays.
     """
     entry = _entries.get(word)

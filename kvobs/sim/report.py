@@ -17,9 +17,7 @@ from kvobs.sim.runs import RUNS, RunSpec
 from kvobs.sim.targets import targets
 from kvobs.version import __version__
 
-# 3: runs unguarded | global_lock | block_lock (was unguarded | guarded); `<run>_clean` also requires 0 stale
-#    blocks; `targets`. 2: lock waits are null where nothing was measured (1 reported interpolated noise).
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 3  # what each version changed: docs/demo.md
 
 # The fields every run carries, in table order: (key, table label, type).
 RUN_FIELDS: tuple[tuple[str, str, type], ...] = (
