@@ -258,7 +258,8 @@ def reopen(fd: int, path: str) -> int:
 
 def _reopen_by_path(fd: int, path: str) -> int:
     new_fd = os.open(path, _OPEN_FLAGS)
-    old, new = os.fstat(fd), os.fstat(new_fd)
+    old = os.fstat(fd)
+    new = os.fstat(new_fd)
     if (old.st_dev, old.st_ino) != (new.st_dev, new.st_ino):
         os.close(new_fd)
         raise UnsafeLockFile(path, "the lock file was replaced by another file while it was in use")

@@ -114,7 +114,9 @@ def _start_workers(wanted: int) -> None:
 
 def _forget_pool_in_child() -> None:
     global _jobs, _started, _pool_lock
-    _jobs, _started, _pool_lock = queue.SimpleQueue(), 0, threading.Lock()
+    _jobs = queue.SimpleQueue()
+    _started = 0
+    _pool_lock = threading.Lock()
 
 
 in_forked_child(_forget_pool_in_child)

@@ -155,7 +155,8 @@ class BoundedBatchSpanProcessor(SpanProcessor):
         """Export what is queued now; True when all of it was exported within `timeout_millis`."""
         deadline = monotonic() + timeout_millis / 1000
         with self._changed:
-            target, lost_before = self._accepted, self._lost
+            target = self._accepted
+            lost_before = self._lost
             self._flush_to = max(self._flush_to, target)
             self._changed.notify_all()
             while self._finished < target:

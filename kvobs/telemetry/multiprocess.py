@@ -198,7 +198,8 @@ class FileSpace:
         for prefix, nbytes in self._series_bytes.items():
             sizes[prefix] = max(sizes.get(prefix, 0), _grown(0, _USED.size * 2 + nbytes))
         created: list[str] = []
-        path, size = "", 0
+        path = ""
+        size = 0
         try:
             for prefix, size in sizes.items():
                 path = _file_path(prefix, self.pid)

@@ -41,7 +41,8 @@ class _ProcessFailures:
                 self.reporter = TelemetryFailures("", self.counters)
                 if multiprocess_enabled():
                     FILE_SPACE.count_in(self.counters[STAGE_METRICS])
-            reporter, families = self.reporter, list(self.families)
+            reporter = self.reporter
+            families = list(self.families)
         for family in families:
             self.show_on(family)
         return reporter
