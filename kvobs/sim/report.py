@@ -12,10 +12,10 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from kvobs import __version__
 from kvobs import semconv as sc
 from kvobs.sim.runs import RUNS, RunSpec
 from kvobs.sim.targets import targets
-from kvobs.version import __version__
 
 SCHEMA_VERSION = 3  # what each version changed: docs/demo.md
 

@@ -4,7 +4,6 @@ dashboards' trace links) with no collector at all; with an OTLP endpoint they ar
 from __future__ import annotations
 
 import os
-import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,12 +24,11 @@ def otlp_endpoint(explicit: str | None) -> str | None:
 
 @dataclass
 class DemoTracing:
-    """An SDK TracerProvider (never the global one) and, when exporting, its exporter (kept for a bounded
-    shutdown)."""
+    """An SDK TracerProvider (never the global one); when exporting, kvobs's own (`kvobs.configure_tracing`),
+    whose flush and shutdown are bounded even with the collector down."""
 
     provider: Any
     endpoint: str | None = None
-    exporter: Any = None
 
     @classmethod
     def start(cls, endpoint: str | None) -> DemoTracing:
@@ -41,25 +39,17 @@ class DemoTracing:
         service = os.environ.get("OTEL_SERVICE_NAME") or SERVICE_NAME
         if not endpoint:  # recorded in-process, then dropped: no span processor, nothing exported
             return cls(TracerProvider(resource=Resource.create({SERVICE_NAME_KEY: service})))
-        from kvobs.telemetry.tracing import otlp_exporter
-
-        exporter = otlp_exporter(endpoint=endpoint)
-        provider = kvobs.configure_tracing(service, exporter=exporter, set_global=False)
-        return cls(provider, endpoint, exporter)
+        # Each export, and the shutdown's export of what is queued, waits at most FLUSH_S: the demo ends
+        # promptly whether or not a collector answers.
+        provider = kvobs.configure_tracing(service, endpoint=endpoint, timeout=FLUSH_S, set_global=False)
+        return cls(provider, endpoint)
 
     def describe(self) -> str:
         return f"traces: OTLP to {self.endpoint}" if self.endpoint else "traces: recorded in-process, not exported"
 
-    def shutdown(self, flush_s: float = FLUSH_S) -> None:
-        """Flush for at most `flush_s`, then stop. The SDK's BatchSpanProcessor ignores force_flush's timeout,
-        and with the collector down its export retries for up to the exporter's timeout: flush on a helper
-        thread, and shut the exporter down first, which ends any retry in progress."""
+    def shutdown(self) -> None:
+        """Export what is queued (within FLUSH_S), then stop."""
         try:
-            flusher = threading.Thread(target=self.provider.force_flush, name="kvobs-demo-flush", daemon=True)
-            flusher.start()
-            flusher.join(flush_s)
-            if self.exporter is not None:
-                self.exporter.shutdown()
             self.provider.shutdown()
         except Exception:  # noqa: BLE001 - an unreachable collector must not fail the demo
             pass
