@@ -25,9 +25,7 @@ class PagedKVCache:
         head_dim: int = 32,
         dtype: torch.dtype = torch.float16,
     ) -> None:
-        self.num_blocks = num_blocks
         self.block_shape = (block_size, heads, head_dim)
-        self.block_size = block_size
         self.dtype = dtype
         self.data = torch.zeros((num_blocks, *self.block_shape), dtype=dtype)
         self.block_bytes = self.data[0].numel() * self.data.element_size()

@@ -21,9 +21,6 @@ class StorageCache:
         self._entries: OrderedDict[str, torch.Tensor] = OrderedDict()
         self._lock = threading.Lock()
 
-    def __len__(self) -> int:
-        return len(self._entries)
-
     def __contains__(self, key: str) -> bool:
         return key in self._entries
 
