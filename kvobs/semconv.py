@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Final
 
+# The namespace of every metric (`kvobs_...`) and recording rule (`kvobs:...`): the rule tests hold both to it.
 PREFIX: Final = "kvobs"
 
 # Transfer paths. More may be added; each is a label value and a span name suffix.
