@@ -25,12 +25,12 @@ from itertools import repeat, tee
 
 from kvobs.atomic import CALL, Held
 from kvobs.errors import OutOfDescriptors
+from kvobs.lockfile import PROC_FD
 
-__all__ = ["MAX_IDLE", "PROC_FD", "DescriptionPool"]
+__all__ = ["MAX_IDLE", "DescriptionPool"]
 
 MAX_IDLE = 16
 
-PROC_FD = "/proc/self/fd"
 _REOPEN_FLAGS = os.O_RDWR | os.O_CLOEXEC
 
 

@@ -43,11 +43,11 @@ from typing import Any, NamedTuple
 from kvobs import ofd
 from kvobs.atomic import CALL, Held, push_unless_raises
 from kvobs.block_claim import BlockClaim
-from kvobs.block_descriptions import PROC_FD, DescriptionPool
+from kvobs.block_descriptions import DescriptionPool
 from kvobs.block_holders import HolderTable
 from kvobs.block_plan import BlockPlanner, Plan
 from kvobs.forks import renewed_after_fork
-from kvobs.lockfile import lock_directory, lock_path, open_lock_file
+from kvobs.lockfile import PROC_FD, lock_directory, lock_path, open_lock_file
 from kvobs.locks import UNKNOWN_HOLDER, Claim, OnConflict
 from kvobs.polling import poll
 from kvobs.semconv import CLAIM_EXCLUSIVE, CLAIM_SHARED

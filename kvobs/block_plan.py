@@ -55,14 +55,16 @@ class BlockPlanner:
         blocks = claim.blocks
         if not blocks:
             return self._whole[bool(claim.exclusive)]
-        first, last = blocks[0], blocks[-1]
+        first = blocks[0]
+        last = blocks[-1]
         if type(first) is not int or type(last) is not int or first < 0 or last >= self.num_blocks:
             raise ValueError(
                 f"block ids of {self.name!r} must be ints from 0 to {self.num_blocks - 1}; got {first!r}..{last!r}"
             )
         count = len(blocks)
         if last - first == count - 1 and all(map(operator.lt, blocks, islice(blocks, 1, None))):
-            starts, lengths = [first], [count]  # one run: checked in C, no per-id bytecode
+            starts = [first]  # one run: checked in C, no per-id bytecode
+            lengths = [count]
         else:
             starts, lengths = self._runs(blocks)
             if len(starts) > self.max_ranges:

@@ -38,7 +38,8 @@ class KVObsError(Exception):
 
     def _bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         """The fields' values from the call's arguments, refused as a function with those parameters would."""
-        name, fields = type(self).__name__, self.fields
+        name = type(self).__name__
+        fields = self.fields
         if len(args) > len(fields):
             raise TypeError(f"{name} takes {len(fields)} arguments ({', '.join(fields)}), got {len(args)}")
         values = dict(zip(fields, args))
@@ -131,7 +132,8 @@ class CorruptKVError(KVObsError, RuntimeError):
         return tuple(self.result.bad_block_ids)
 
     def message(self) -> str:
-        bad, result = self.bad_block_ids, self.result
+        bad = self.bad_block_ids
+        result = self.result
         shown = ", ".join(map(str, bad[: self.shown_ids]))
         more = ", ..." if len(bad) > self.shown_ids else ""
         return (

@@ -27,6 +27,7 @@ from kvobs.errors import InvalidLockName, UnsafeLockFile
 from kvobs.semconv import ENV_LOCK_DIR
 
 __all__ = [
+    "PROC_FD",
     "InvalidLockName",
     "UnsafeLockFile",
     "base_directory",
@@ -41,7 +42,7 @@ _NAME = re.compile(r"[A-Za-z0-9_.-]+")
 _OPEN_FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_MODE = 0o600
 _DIRECTORY_MODE = 0o700
-_PROC_FD = "/proc/self/fd"
+PROC_FD = "/proc/self/fd"  # where the kernel re-opens an open file by its descriptor
 
 
 def base_directory() -> str:
@@ -250,14 +251,15 @@ def reopen(fd: int, path: str) -> int:
     own. Through ``/proc/self/fd`` the kernel hands back exactly the file we checked when we opened it;
     without ``/proc``, `path` is re-opened and must still be that file.
     """
-    if os.path.isdir(_PROC_FD):
-        return os.open(f"{_PROC_FD}/{fd}", os.O_RDWR | os.O_CLOEXEC)
+    if os.path.isdir(PROC_FD):
+        return os.open(f"{PROC_FD}/{fd}", os.O_RDWR | os.O_CLOEXEC)
     return _reopen_by_path(fd, path)
 
 
 def _reopen_by_path(fd: int, path: str) -> int:
     new_fd = os.open(path, _OPEN_FLAGS)
-    old, new = os.fstat(fd), os.fstat(new_fd)
+    old = os.fstat(fd)
+    new = os.fstat(new_fd)
     if (old.st_dev, old.st_ino) != (new.st_dev, new.st_ino):
         os.close(new_fd)
         raise UnsafeLockFile(path, "the lock file was replaced by another file while it was in use")

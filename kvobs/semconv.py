@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Final
 
+# The namespace of every metric (`kvobs_...`) and recording rule (`kvobs:...`): the rule tests hold both to it.
 PREFIX: Final = "kvobs"
 
 # Transfer paths. More may be added; each is a label value and a span name suffix.
@@ -145,7 +146,6 @@ ATTR_LOCK_NAME: Final = "kvobs.lock.name"
 ATTR_LOCK_WAIT_S: Final = "kvobs.lock.wait_s"
 ATTR_LOCK_HOLD_S: Final = "kvobs.lock.hold_s"
 ATTR_OUTCOME: Final = "kvobs.outcome"
-ATTR_SYNC: Final = "kvobs.sync"
 ATTR_ERROR_TYPE: Final = "error.type"  # OpenTelemetry's own attribute
 ATTR_BAD_BLOCK_IDS: Final = "kvobs.integrity.bad_block_ids"
 ATTR_SLOT: Final = "kvobs.signal.slot"

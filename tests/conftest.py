@@ -1,4 +1,4 @@
-"""Shared fixtures: a fresh registry and a captured observer per test."""
+"""Shared fixtures: a fresh registry and a captured observer per test (one that checks for NaN/Inf too)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,12 @@ def cap():
     with capture(engine="test", integrity=None, lock_timeout=2.0) as captured:
         yield captured
 
+
+@pytest.fixture
+def checked():
+    """A captured observer whose NaN/Inf checks raise CorruptKVError."""
+    with capture(engine="checked", integrity="raise", lock_timeout=2.0) as captured:
+        yield captured
 
 
 @pytest.fixture(autouse=True)

@@ -2,8 +2,8 @@
 
 `interrupt_at` sweeps every instruction deterministically (a trace function), raising only in kvobs's frames and
 the test's own: an exception in another library's code (a gc callback) is only reported as unraisable and tests
-nothing. `spread_storm` sends real SIGALRMs, spreading where they land, with the cyclic gc off for the same
-reason.
+nothing. `interrupt_storm` sends real SIGALRMs, at the start of each call or spread over it, with the cyclic gc
+off for the same reason.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def interrupt_at(opcode: int, test_file: str) -> Callable[..., Any]:
 
 
 class StormedCalls(Protocol):
-    """What `spread_storm` calls: one call per round, then a check that nothing is held, and a recovery."""
+    """What `interrupt_storm` calls: one call per round, then a check that nothing is held, and a recovery."""
 
     def __call__(self) -> None: ...
 
@@ -61,14 +61,19 @@ class Storm(Exception):
     """Raised by the storm's signal handler between two bytecodes of whatever runs."""
 
 
-def spread_storm(calls: StormedCalls, seconds: float = 2.0, interrupted_calls: int = 300,
-                 max_seconds: float = 15.0) -> tuple[int, int, int]:
-    """Like test_lifecycle_defects' storm (SIGALRM every 30 us), but each call lets a random 1-60 signals pass
-    before one raises, so that the interrupts land all over the with-block, its exit included, and not only
-    at its start. Returns (calls, interrupted, leaked)."""
+def interrupt_storm(calls: StormedCalls, seconds: float = 1.5, interrupted_calls: int = 600,
+                    max_seconds: float = 15.0, spread: int = 1) -> tuple[int, int, int]:
+    """Run `calls()` under a SIGALRM every 30 us whose handler raises, as Ctrl-C's does, for `seconds` and until
+    at least `interrupted_calls` were interrupted (at most `max_seconds`, on a very loaded machine); after each
+    call, probe the lock and recover what leaked. Each call lets a random 0 to `spread` - 1 signals pass
+    before one raises: with `spread=1` the first signal after the call began raises; a larger spread lands the
+    interrupts all over the call, its exit included, not only at its start. Returns (calls, interrupted,
+    leaked)."""
     rng = random.Random(22)
     armed = [0]  # signals still to let pass before raising; 0: disarmed
-    done = interrupted = leaked = 0
+    done = 0
+    interrupted = 0
+    leaked = 0
 
     def handler(signum, frame):
         if armed[0]:
@@ -76,7 +81,7 @@ def spread_storm(calls: StormedCalls, seconds: float = 2.0, interrupted_calls: i
             if not armed[0]:
                 raise Storm()
 
-    gc.collect()
+    gc.collect()  # finalizers of other tests' garbage must not run (and be interrupted) during the storm
     gc.disable()
     previous = signal.signal(signal.SIGALRM, handler)
     signal.setitimer(signal.ITIMER_REAL, 30e-6, 30e-6)
@@ -86,7 +91,7 @@ def spread_storm(calls: StormedCalls, seconds: float = 2.0, interrupted_calls: i
                 and time.monotonic() - start < max_seconds:
             done += 1
             try:
-                armed[0] = rng.randint(1, 60)
+                armed[0] = rng.randint(1, spread)
                 calls()
                 armed[0] = 0
             except Storm:

@@ -21,11 +21,10 @@ import signal
 import socket
 import subprocess
 import threading
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -34,6 +33,7 @@ from typing import Any
 import pytest
 import yaml
 from prometheus_client import CollectorRegistry
+from support import wait_until
 
 from kvobs import semconv as sc
 
@@ -166,23 +166,10 @@ def processes(tmp_path_factory) -> Iterator[Processes]:
         procs.stop_all()
 
 
-def wait_until(check: Callable[[], Any], timeout: float, what: str, interval: float = 0.25,
-               on_timeout: Callable[[], str] | None = None) -> Any:
-    """Poll `check` until it returns a truthy value (returned) or `timeout` seconds pass (pytest.fail)."""
-    deadline = time.monotonic() + timeout
-    last_error: BaseException | None = None
-    while True:
-        try:
-            value = check()
-            if value:
-                return value
-        except Exception as exc:  # noqa: BLE001 - keep polling; report the last error
-            last_error = exc
-        if time.monotonic() >= deadline:
-            detail = f"; last error: {last_error!r}" if last_error else ""
-            extra = ("\n" + on_timeout()) if on_timeout else ""
-            pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}{detail}{extra}", pytrace=False)
-        time.sleep(interval)
+# How the ops tests poll a server they started: a few times a second, an error (not up yet, no data yet)
+# counting as "not yet".
+POLL_INTERVAL_S = 0.25
+NOT_YET = (Exception,)
 
 
 def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
@@ -218,7 +205,8 @@ def start_prometheus(processes: Processes, config: Path, workdir: Path) -> str:
         "--web.enable-lifecycle",
     ])
     base = f"http://127.0.0.1:{port}"
-    wait_until(lambda: is_ready(base), 20, "Prometheus /-/ready", on_timeout=processes.report)
+    wait_until(lambda: is_ready(base), "Prometheus /-/ready", timeout=20, interval=POLL_INTERVAL_S, ignoring=NOT_YET,
+               on_timeout=processes.report)
     return base
 
 
@@ -230,7 +218,8 @@ def start_alertmanager(processes: Processes, config: Path, workdir: Path) -> str
         f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address=",
     ])
     base = f"http://127.0.0.1:{port}"
-    wait_until(lambda: is_ready(base), 20, "Alertmanager /-/ready", on_timeout=processes.report)
+    wait_until(lambda: is_ready(base), "Alertmanager /-/ready", timeout=20, interval=POLL_INTERVAL_S,
+               ignoring=NOT_YET, on_timeout=processes.report)
     return base
 
 

@@ -1,4 +1,5 @@
-"""Small helpers shared by the tests: probing a real lock, and an OTLP/gRPC trace receiver."""
+"""Small helpers shared by the tests: waiting for a condition, probing a real lock, and an OTLP/gRPC trace
+receiver."""
 
 from __future__ import annotations
 
@@ -6,10 +7,12 @@ import os
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 from opentelemetry.proto.collector.trace.v1 import (
@@ -18,6 +21,36 @@ from opentelemetry.proto.collector.trace.v1 import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
+
+T = TypeVar("T")
+
+
+def wait_until(
+    condition: Callable[[], T],
+    what: str = "the condition",
+    timeout: float = 30.0,
+    *,
+    interval: float = 0.01,
+    ignoring: tuple[type[Exception], ...] = (),
+    on_timeout: Callable[[], str] | None = None,
+) -> T:
+    """Poll `condition` until it returns a truthy value, which is returned. After `timeout` seconds the test
+    fails naming `what` (and `on_timeout()`'s report). An error of a type in `ignoring` counts as "not yet"
+    (the last one is named on timeout); any other error fails at once."""
+    deadline = time.monotonic() + timeout
+    last_error: Exception | None = None
+    while True:
+        try:
+            value = condition()
+            if value:
+                return value
+        except ignoring as exc:
+            last_error = exc
+        if time.monotonic() >= deadline:
+            detail = f"; last error: {last_error!r}" if last_error else ""
+            report = ("\n" + on_timeout()) if on_timeout else ""
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}{detail}{report}")
+        time.sleep(interval)
 
 
 @contextmanager
@@ -48,7 +81,8 @@ def lock_is_free(lock) -> bool:
 def hold_in_thread(lock, release_after: threading.Event | None = None) -> tuple[threading.Event, threading.Thread]:
     """Take `lock` in another thread, which lets go when `release_after` (or the returned event) is set; the
     caller's own thread then waits for it like any other."""
-    holding, release = threading.Event(), release_after or threading.Event()
+    holding = threading.Event()
+    release = release_after or threading.Event()
 
     def run() -> None:
         assert lock.acquire(10)

@@ -146,6 +146,7 @@ def test_recording_rules_use_colon_names_and_raw_metrics_do_not() -> None:
         assert rule["record"].count(":") == 2 and rule["record"].startswith(sc.PREFIX + ":"), rule["record"]
     for name in sc.METRIC_LABELS:
         assert ":" not in name
+        assert name.startswith(sc.PREFIX + "_"), name
 
 
 def test_every_alert_has_a_firing_and_a_silent_case() -> None:

@@ -25,6 +25,8 @@ import torch
 
 import kvobs
 from kvobs import semconv as sc
+from kvobs.block_lock import BlockLock
+from kvobs.testing import capture
 from support import lock_is_free
 
 NUM_BLOCKS = 32
@@ -286,3 +288,43 @@ def test_per_layer_caches_are_validated_once_each(cap, monkeypatch):
         for layer in layers:
             obs.begin("send", block_ids=[1, 2], cache=layer).complete()
     assert sorted(calls) == sorted(id(layer) for layer in layers)
+
+
+# -- a completion key taken by two transfers while they waited -----------------------------------------------
+
+
+def _conflicts(registry) -> float:
+    return sum(s.value for f in registry.collect() for s in f.samples if s.name == sc.LOCK_CONFLICTS_TOTAL)
+
+
+def test_of_two_transfers_that_took_one_key_while_waiting_only_the_first_keeps_it(tmp_path):
+    """Both validated while the key was free, then waited for the lock: the second to get its blocks finds
+    the key taken, lets its blocks go and is rejected."""
+    lock = BlockLock("race", 8, directory=tmp_path)
+    with capture(engine="race", integrity=None, lock=lock, lock_timeout=5.0) as cap:
+        outcomes: list[object] = []
+
+        def begin(block):
+            try:
+                outcomes.append(cap.observer.begin("prefetch", block_ids=[block], key="job-1"))
+            except kvobs.TransferRejected as exc:
+                outcomes.append(exc)
+
+        with lock.claim([]):  # the whole cache: both validate, then wait
+            threads = [threading.Thread(target=begin, args=(block,)) for block in (1, 2)]
+            for thread in threads:
+                thread.start()
+            deadline = time.monotonic() + 10
+            while _conflicts(cap.registry) < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert _conflicts(cap.registry) == 2
+        for thread in threads:
+            thread.join(10)
+        (kept,) = [o for o in outcomes if isinstance(o, kvobs.Transfer)]
+        (refused,) = [o for o in outcomes if isinstance(o, kvobs.TransferRejected)]
+        assert "already open under key 'job-1'" in str(refused)
+        other_block = 3 - kept.blocks.distinct[0]
+        with lock.claim([other_block], timeout=0):  # the refused transfer let its block go
+            pass
+        kept.complete()
+    lock.close()

@@ -63,3 +63,14 @@ def test_bad_batches_are_rejected_naming_the_request(cap, requests, message):
 def test_block_ids_and_requests_together_are_refused(cap):
     with pytest.raises(kvobs.TransferRejected, match="not both"):
         cap.observer.begin("send", requests={"a": [1]}, block_ids=[1])
+
+
+# -- a batch of token slots ----------------------------------------------------------------------------------
+
+
+def test_a_batch_of_token_slots_claims_the_union_of_its_pages(registry):
+    paged = kvobs.KVObserver("paged", registry=registry, integrity=None, capacity=16, page_size=4)
+    t = paged.begin("prefetch", requests={"a": [0, 1, 5], "b": [5, 9], "c": []})
+    assert t.blocks.distinct == (0, 1, 2)  # slots 0, 1 -> page 0; 5 -> page 1 (shared); 9 -> page 2
+    assert t.requests == {"a": 2, "b": 2, "c": 0}  # pages per request
+    t.complete()

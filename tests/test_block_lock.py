@@ -13,12 +13,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support import wait_until
 
+import kvobs
 from kvobs import ofd
 from kvobs.atomic import release_now
-from kvobs.block_lock import BlockLock
+from kvobs.block_descriptions import DescriptionPool
+from kvobs.block_lock import _MAX_BLOCKS, BlockLock
 from kvobs.errors import LockTimeout
-from kvobs.lockfile import UnsafeLockFile
+from kvobs.lockfile import PROC_FD, UnsafeLockFile
 from kvobs.locks import CacheLock, Claim
 
 NUM_BLOCKS = 256
@@ -317,17 +320,11 @@ def test_a_reader_waits_behind_a_queued_writer_and_names_it(lock: BlockLock) -> 
     release_now(writer_result[0])
     # The writer left its turnstile: readers pass at once again, through every pooled description (the
     # writer's, reused first, and the others, which would see a turnstile left locked on it).
-    first, second = claim(lock, (8,), exclusive=False), claim(lock, (8,), exclusive=False)
+    first = claim(lock, (8,), exclusive=False)
+    second = claim(lock, (8,), exclusive=False)
     assert first is not None and second is not None
     release_now(second)
     release_now(first)
-
-
-def _wait_until(condition: Any, what: str) -> None:
-    deadline = time.monotonic() + 30
-    while not condition():
-        assert time.monotonic() < deadline, f"never happened: {what}"
-        time.sleep(0.001)
 
 
 def test_two_writers_queued_on_overlapping_runs_do_not_deadlock(lock: BlockLock) -> None:
@@ -348,9 +345,9 @@ def test_two_writers_queued_on_overlapping_runs_do_not_deadlock(lock: BlockLock)
     fd = probe._descriptions.take(deque())
     try:
         writer_a.start()
-        _wait_until(lambda: ofd.conflict(fd, fcntl.F_RDLCK, NUM_BLOCKS + 2, 3) is not None, "A queues at 2-4")
+        wait_until(lambda: ofd.conflict(fd, fcntl.F_RDLCK, NUM_BLOCKS + 2, 3) is not None, "A queues at 2-4")
         writer_b.start()
-        _wait_until(lambda: ofd.conflict(fd, fcntl.F_RDLCK, 2, 1) is not None, "B holds block 2")
+        wait_until(lambda: ofd.conflict(fd, fcntl.F_RDLCK, 2, 1) is not None, "B holds block 2")
         time.sleep(0.05)  # B now waits for block 4
     finally:
         for reader in readers:
@@ -663,3 +660,152 @@ def test_a_stuck_initialisation_times_out_instead_of_hanging(
     finally:
         os.close(stuck)
     BlockLock.attach("kv", NUM_BLOCKS, directory=tmp_path).close()
+
+
+# -- through an observer: a transfer naming no blocks claims the whole cache, shared for reading paths -------
+
+
+def test_transfers_naming_no_blocks_share_the_whole_cache_when_they_read_and_exclude_when_they_write(tmp_path,
+                                                                                                 registry):
+    lock = BlockLock("whole", 16, directory=tmp_path)
+    obs = kvobs.KVObserver("whole", registry=registry, integrity=None, lock=lock, lock_timeout=0.2)
+    inside = threading.Event()
+    leave = threading.Event()
+
+    @obs.write_back()
+    def write_all():
+        inside.set()
+        leave.wait(10)
+
+    @obs.send()
+    def send_all():
+        return "sent"
+
+    @obs.prefetch()
+    def fetch_all():
+        return "fetched"
+
+    writer = threading.Thread(target=write_all)
+    writer.start()
+    try:
+        assert inside.wait(10)
+        assert send_all() == "sent"  # another reader of the whole cache: shared
+        with pytest.raises(kvobs.LockTimeout):
+            fetch_all()  # a writer of the whole cache: excluded while the reader holds
+    finally:
+        leave.set()
+        writer.join()
+    assert fetch_all() == "fetched"
+    lock.close()
+
+
+# -- who a waiting claim is told of; zero timeouts; ids in range; the sizes of a lock ------------------------
+
+
+def test_a_waiting_reader_is_told_of_the_writer_not_of_a_reader_beside_it(lock: BlockLock) -> None:
+    """A reader waits only for writers: among the holders of its run, the one it names must be a writer,
+    even when another reader, which it shares with, holds part of the same run (and locked it first)."""
+    reader = claim(lock, (0,), exclusive=False, holder="send")
+    writer = claim(lock, (2,), exclusive=True, holder="prefetch")
+    assert reader is not None and writer is not None
+    conflicts: list[str] = []
+    try:
+        assert claim(lock, (0, 1, 2), exclusive=False, holder="write_back", timeout=0.05,
+                     conflicts=conflicts) is None
+    finally:
+        release_now(writer)
+    assert conflicts == ["prefetch"]
+    granted = claim(lock, (0, 1, 2), exclusive=False, holder="write_back")
+    assert granted is not None  # shares block 0 with the other reader
+    release_now(granted)
+    release_now(reader)
+
+
+@pytest.mark.parametrize("block", [0, NUM_BLOCKS - 1])
+def test_a_whole_cache_claim_waits_for_and_names_the_holder_of_the_first_and_last_block(lock: BlockLock,
+                                                                                      block: int) -> None:
+    reader = claim(lock, (block,), exclusive=False, holder="send")
+    assert reader is not None
+    conflicts: list[str] = []
+    try:
+        assert claim(lock, (), exclusive=True, holder="forward", timeout=0.05, conflicts=conflicts) is None
+    finally:
+        release_now(reader)
+    assert conflicts == ["send"]
+    whole = claim(lock, (), exclusive=True, holder="forward")
+    assert whole is not None
+    assert claim(lock, (block,), exclusive=False, holder="send") is None
+    release_now(whole)
+
+
+def test_a_claim_with_a_zero_timeout_on_held_blocks_raises_at_once_saying_zero_seconds(lock: BlockLock) -> None:
+    with lock.claim([3, 4], holder="prefetch"), pytest.raises(LockTimeout) as info, \
+            lock.claim([4], timeout=0, holder="send"):
+        raise AssertionError("never entered")
+    assert info.value.waited_s == 0.0
+    assert "within 0.000 s" in str(info.value)
+
+
+@pytest.mark.parametrize("blocks", [[1, 2.0], [1.0, 2], [-1, 2], [1, NUM_BLOCKS]])
+def test_a_claim_of_anything_but_ids_in_range_is_refused_by_name(lock: BlockLock, blocks: list[Any]) -> None:
+    with pytest.raises(ValueError, match=rf"block ids of .* must be ints from 0 to {NUM_BLOCKS - 1}"), lock.claim(blocks):
+        raise AssertionError("never entered")
+    with lock.claim([1, 2]):  # nothing was left claimed
+        pass
+
+
+def test_locks_of_one_block_and_of_the_most_blocks_are_accepted_and_nothing_beyond(tmp_path: Path) -> None:
+    single = BlockLock("single", 1, directory=tmp_path)
+    with single.claim([0]):
+        pass
+    single.close()
+    with pytest.raises(ValueError, match=f"num_blocks must be an int from 1 to {_MAX_BLOCKS}, got 0"):
+        BlockLock("empty", 0, directory=tmp_path)
+    largest = BlockLock("largest", _MAX_BLOCKS, directory=tmp_path)
+    with largest.claim([0, _MAX_BLOCKS - 1]):
+        pass
+    largest.close()
+    with pytest.raises(ValueError, match=f"num_blocks must be an int from 1 to {_MAX_BLOCKS}"):
+        BlockLock("too-large", _MAX_BLOCKS + 1, directory=tmp_path)
+
+
+# -- close(): no description handed out again, none left open, none closed twice -----------------------------
+
+
+def test_a_closed_lock_refuses_claims_even_with_descriptions_that_were_idle(tmp_path: Path) -> None:
+    """close() closes the pooled descriptions too: none may be handed to a later claim (its number may by then
+    belong to another file)."""
+    lock = BlockLock("kv", 8, directory=tmp_path)
+    held = claim(lock, (1,), exclusive=True, holder="prefetch")
+    assert held is not None
+    release_now(held)  # its description is back in the pool, idle
+    lock.close()
+    with pytest.raises(ValueError, match="closed"):
+        claim(lock, (1,), exclusive=True, holder="prefetch")
+
+
+def test_closing_the_descriptions_twice_closes_nothing_the_second_time(tmp_path: Path) -> None:
+    """A closed descriptor's number is soon another file's: a second close must not touch it."""
+    path = tmp_path / "lock"
+    path.write_bytes(b"\0" * 8)
+    pool = DescriptionPool(os.open(path, os.O_RDWR), "test lock")
+    pool.take(held := deque())
+    release_now(held)
+    pool.close()
+    reused = [os.open(path, os.O_RDONLY) for _ in range(4)]  # takes the numbers just freed
+    try:
+        pool.close()
+        for fd in reused:
+            os.fstat(fd)  # still open
+    finally:
+        for fd in reused:
+            os.close(fd)
+
+
+def test_a_closed_lock_leaves_no_descriptor_open(tmp_path: Path) -> None:
+    before = set(os.listdir(PROC_FD))
+    lock = BlockLock("fds", 8, directory=tmp_path)
+    with lock.claim([1, 2]), lock.claim([5], exclusive=False):  # two descriptions in the pool
+        pass
+    lock.close()
+    assert set(os.listdir(PROC_FD)) <= before

@@ -33,8 +33,8 @@ from kvobs import async_wait
 from kvobs import semconv as sc
 from kvobs.errors import ReentrantLockError
 from kvobs.locks import ProcessLock
+from interrupts import interrupt_storm
 from support import REPO, hold_in_thread, lock_is_free, lock_is_free_from_other_thread
-from test_lifecycle_defects import _interrupt_storm
 
 
 REGISTRIES: dict[int, CollectorRegistry] = {}
@@ -417,7 +417,7 @@ def test_interrupt_storm_on_the_fast_lane_leaks_nothing(lock_kind, enabled):
             pass
 
     send()  # the slot exists before the storm
-    calls, interrupted, leaked = _interrupt_storm(Calls())
+    calls, interrupted, leaked = interrupt_storm(Calls())
     assert interrupted > 500, (calls, interrupted)
     assert leaked == 0, f"{leaked} of {interrupted} interrupted calls left something held"
 

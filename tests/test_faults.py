@@ -3,14 +3,22 @@ always comes through unchanged, and a telemetry fault never changes the call's r
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import random
+import signal
+import sys
+import threading
 
 import pytest
 import structlog
+from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 
 import kvobs
+import kvobs.fast_lane
+from kvobs import active
 from kvobs import semconv as sc
 from support import lock_is_free
 
@@ -29,7 +37,8 @@ class Armed:
 
 class FaultySpan:
     def __init__(self, span, armed):
-        self._span, self._armed = span, armed
+        self._span = span
+        self._armed = armed
 
     def __getattr__(self, name):
         return getattr(self._span, name)
@@ -73,7 +82,8 @@ class FaultyLogger:
 
 class FaultyChild:
     def __init__(self, child, armed):
-        self._child, self._armed = child, armed
+        self._child = child
+        self._armed = armed
 
     def inc(self, *a):
         self._armed.trip("metric")
@@ -133,7 +143,8 @@ def errors(registry, stage):
 @pytest.mark.parametrize("make", RAISES, ids=["exception", "KeyboardInterrupt", "BaseException", "SystemExit", "ValueError"])
 def test_engine_fault_is_reraised_unchanged_and_lock_released(rig, stage, make):
     armed, obs, write, _ = rig
-    armed.stage, armed.fire = stage, make()
+    armed.stage = stage
+    armed.fire = make()
     with pytest.raises(BaseException) as info:
         write([1, 2])
     assert info.value is armed.fire
@@ -143,7 +154,8 @@ def test_engine_fault_is_reraised_unchanged_and_lock_released(rig, stage, make):
 @pytest.mark.parametrize("stage", TELEMETRY_STAGES)
 def test_telemetry_fault_never_changes_the_result(rig, stage):
     armed, obs, write, registry = rig
-    armed.stage, armed.fire = stage, RuntimeError(f"telemetry broke at {stage}")
+    armed.stage = stage
+    armed.fire = RuntimeError(f"telemetry broke at {stage}")
     assert write([1, 2]) == ("written", (1, 2))
     assert lock_is_free(obs.lock)
     counted = sum(errors(registry, s) for s in ("metrics", "tracing", "logging", "hook"))
@@ -152,7 +164,8 @@ def test_telemetry_fault_never_changes_the_result(rig, stage):
 
 def test_telemetry_fault_while_the_engine_fails_keeps_the_engine_exception(rig):
     armed, obs, write, _ = rig
-    armed.stage, armed.fire = "body", Boom("engine")
+    armed.stage = "body"
+    armed.fire = Boom("engine")
 
     @obs.send(block_ids="ids")
     def send(ids):
@@ -161,7 +174,8 @@ def test_telemetry_fault_while_the_engine_fails_keeps_the_engine_exception(rig):
     # the error-duration child is faulty too: the engine's exception must still be the one raised
     armed_metric = obs.metrics.paths["send"].duration[sc.OUTCOME_ERROR]
     armed_metric._armed = Armed()
-    armed_metric._armed.stage, armed_metric._armed.fire = "metric", RuntimeError("metric broke")
+    armed_metric._armed.stage = "metric"
+    armed_metric._armed.fire = RuntimeError("metric broke")
     with pytest.raises(Boom) as info:
         send([1])
     assert info.value is armed.fire
@@ -195,3 +209,158 @@ def test_ten_thousand_random_faults_leak_no_lock(rig):
     assert outcomes["raised"] > 1000 and outcomes["returned"] > 5000
     in_flight = rig[3].get_sample_value(sc.TRANSFERS_IN_FLIGHT, {"engine": "faults", "path": "write_back"})
     assert in_flight == 0
+
+
+# -- a second interrupt while the failure is recorded: the lock was released before anything else ------------
+
+
+def _interrupted(*args, **kwargs):
+    raise KeyboardInterrupt  # Ctrl-C again, while the failure is being recorded
+
+
+def test_an_interrupt_on_entry_then_another_while_failing_leaves_the_lock_free(checked, monkeypatch):
+    monkeypatch.setattr(active, "enter", _interrupted)  # Ctrl-C right after the lock was taken
+    monkeypatch.setattr(kvobs.transfer.Transfer, "fail", _interrupted)
+    with pytest.raises(KeyboardInterrupt), checked.observer.transfer("prefetch", block_ids=[1]):
+        raise AssertionError("never entered")
+    assert lock_is_free(checked.observer.lock)
+
+
+def test_an_interrupt_right_after_the_lock_was_taken_is_a_recorded_failure(checked, monkeypatch):
+    monkeypatch.setattr(active, "enter", _interrupted)
+    with pytest.raises(KeyboardInterrupt), checked.observer.transfer("prefetch", block_ids=[1]):
+        raise AssertionError("never entered")
+    assert lock_is_free(checked.observer.lock)
+    assert checked.value(sc.TRANSFERS_TOTAL, path="prefetch", outcome="error") == 1
+    (span,) = checked.spans  # ended, with what ended it
+    assert span.attributes[sc.ATTR_ERROR_TYPE] == "KeyboardInterrupt"
+
+
+def test_a_with_block_that_raises_then_an_interrupt_while_failing_leaves_the_lock_free(checked, monkeypatch):
+    with pytest.raises(KeyboardInterrupt), checked.observer.transfer("prefetch", block_ids=[1]):
+        monkeypatch.setattr(kvobs.transfer.Transfer, "fail", _interrupted)
+        raise OSError("the copy failed")
+    assert lock_is_free(checked.observer.lock)
+
+
+@pytest.mark.parametrize("form", ["sync", "async", "fast lane"])
+def test_a_decorated_call_that_raises_then_an_interrupt_while_failing_leaves_the_lock_free(checked, monkeypatch,
+                                                                                          form):
+    obs = checked.observer
+    if form == "sync":
+        @obs.prefetch(block_ids="ids", group_sizes="groups")  # naming KV groups: the general lifecycle
+        def load(ids, groups=(1,)):
+            monkeypatch.setattr(kvobs.transfer.Transfer, "fail", _interrupted)
+            raise OSError("the copy failed")
+
+        call = load
+    elif form == "fast lane":
+        @obs.prefetch(block_ids="ids")
+        def load_fast(ids):
+            monkeypatch.setattr(kvobs.fast_lane, "_record", _interrupted)
+            raise OSError("the copy failed")
+
+        call = load_fast
+    else:
+        @obs.prefetch(block_ids="ids")
+        async def load_async(ids):
+            monkeypatch.setattr(kvobs.transfer.Transfer, "fail", _interrupted)
+            raise OSError("the copy failed")
+
+        def call(ids):
+            return asyncio.run(load_async(ids))
+    with pytest.raises(KeyboardInterrupt):
+        call([1])
+    assert lock_is_free(obs.lock)
+
+
+def _interrupt_at(func, statement: str):
+    """A trace function that raises KeyboardInterrupt in `func` just before `statement` runs: Ctrl-C landing
+    exactly there, deterministically (an exception raised by a trace function surfaces in the traced frame)."""
+    lines, first = inspect.getsourcelines(func)
+    (target,) = [first + i for i, line in enumerate(lines) if line.strip() == statement]
+
+    def local(frame, event, arg):
+        if event == "line" and frame.f_lineno == target:
+            sys.settrace(None)
+            raise KeyboardInterrupt
+        return local
+
+    return lambda frame, event, arg: local if frame.f_code is func.__code__ else None
+
+
+def test_an_ending_interrupted_before_it_says_how_it_ended_is_recorded_as_a_failure(checked, monkeypatch):
+    t = checked.observer.begin("prefetch", block_ids=[1])
+
+    def check_fails(self, result, moved):
+        raise OSError("the check could not read the cache")
+
+    monkeypatch.setattr(kvobs.transfer.Transfer, "_finish", check_fails)
+    sys.settrace(_interrupt_at(kvobs.transfer.Transfer.complete,
+                               "self.state, self.outcome, self.error = FAILED, sc.OUTCOME_ERROR, exc"))
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            t.complete()
+    finally:
+        sys.settrace(None)
+    assert (t.state, t.outcome) == ("failed", "error")
+    assert checked.value(sc.TRANSFERS_TOTAL, path="prefetch", outcome="error") == 1
+    assert lock_is_free(checked.observer.lock)
+
+
+# -- odd exceptions and Ctrl-C during the lock wait ----------------------------------------------------------
+
+
+class BadRepr(Exception):
+    def __repr__(self):
+        raise RuntimeError("repr fails")
+
+
+class BadStr(Exception):
+    def __str__(self):
+        raise RuntimeError("str fails")
+
+
+@pytest.mark.parametrize("make", [BadRepr, BadStr])
+def test_odd_exception_passes_through_unchanged_and_no_span_stays_current(cap, make):
+    obs = cap.observer
+    raised = make()
+
+    @obs.send(block_ids="ids")
+    def send(ids):
+        raise raised
+
+    with pytest.raises(make) as info:
+        send([1])
+    assert info.value is raised
+    assert not trace.get_current_span().get_span_context().is_valid
+    assert lock_is_free(obs.lock)
+    (span,) = cap.spans
+    assert span.attributes[sc.ATTR_ERROR_TYPE] == make.__qualname__
+    assert cap.value(sc.TRANSFERS_TOTAL, path="send", outcome="error") == 1
+
+
+def test_ctrl_c_during_the_lock_wait_leaves_no_span_current(cap):
+    obs = cap.observer
+    assert obs.lock.acquire(0)  # held by the test, so the guarded call waits
+
+    @obs.send(block_ids="ids")
+    def send(ids):
+        return "sent"
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGUSR1, interrupt)
+    timer = threading.Timer(0.2, signal.pthread_kill, (threading.main_thread().ident, signal.SIGUSR1))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            send([1])
+    finally:
+        timer.join()
+        signal.signal(signal.SIGUSR1, previous)
+        obs.lock.release()
+    assert not trace.get_current_span().get_span_context().is_valid
+    assert lock_is_free(obs.lock)
+    assert [s.attributes[sc.ATTR_ERROR_TYPE] for s in cap.spans] == ["KeyboardInterrupt"]

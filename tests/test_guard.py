@@ -2,17 +2,26 @@
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import subprocess
 import sys
 import threading
 import time
+import warnings
 
 import pytest
+import torch
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
 
 import kvobs
+from kvobs import active
 from kvobs import semconv as sc
+from kvobs.block_lock import BlockLock
+from kvobs.integrity import CorruptKVError
 from kvobs.testing import capture
-from support import lock_is_free, lock_is_free_from_other_thread
+from support import hold_in_thread, lock_is_free, lock_is_free_from_other_thread
 
 
 class Task:
@@ -375,3 +384,437 @@ def test_a_capacity_larger_than_the_block_lock_is_refused(tmp_path, registry):
     with pytest.raises(ValueError, match="capacity=32 .* 16 blocks"):
         kvobs.KVObserver("big", registry=registry, lock=lock, capacity=32)
     lock.close()
+
+
+# -- the tracing context is the caller's again after every transfer ------------------------------------------
+
+
+def _decorated_ok(obs):
+    @obs.prefetch(block_ids="ids")
+    def fetch(ids):
+        return trace.get_current_span()
+
+    return fetch([1])
+
+
+def _decorated_raising(obs):
+    @obs.write_back(block_ids="ids")
+    def write(ids):
+        raise OSError("disk gone")
+
+    with pytest.raises(OSError, match="disk gone"):
+        write([1])
+
+
+def _decorated_corrupt(obs):
+    cache = torch.ones(8, 2, 4, dtype=torch.float16)
+    cache[1] = float("nan")
+
+    @obs.send(block_ids="ids", cache=lambda ids: cache)
+    def send(ids):
+        raise AssertionError("a corrupt send must not run")
+
+    with pytest.raises(CorruptKVError):
+        send([1])
+
+
+def _decorated_timing_out(obs):
+    @obs.prefetch(block_ids="ids")
+    def fetch(ids):
+        raise AssertionError("never runs: the lock is held")
+
+    assert obs.lock.acquire(0)
+    try:
+        with pytest.raises(kvobs.LockTimeout):
+            fetch([1])
+    finally:
+        obs.lock.release()
+
+
+def _in_one_task(coroutine_function, *args):
+    """Await the guarded coroutine from a caller in the same task (the engine's step awaiting its send), and
+    check the caller's span is current again right after, inside that task."""
+
+    async def caller():
+        before = trace.get_current_span()
+        try:
+            return await coroutine_function(*args)
+        finally:
+            assert trace.get_current_span() is before
+
+    return asyncio.run(caller())
+
+
+def _decorated_async(obs):
+    @obs.send(block_ids="ids")
+    async def send(ids):
+        await asyncio.sleep(0)
+        return trace.get_current_span()
+
+    return _in_one_task(send, [1])
+
+
+def _decorated_async_raising(obs):
+    @obs.send(block_ids="ids")
+    async def send(ids):
+        await asyncio.sleep(0)
+        raise OSError("peer gone")
+
+    with pytest.raises(OSError, match="peer gone"):
+        _in_one_task(send, [1])
+
+
+def _with_ok(obs):
+    with obs.transfer("prefetch", block_ids=[1]):
+        pass
+
+
+def _with_raising(obs):
+    with pytest.raises(KeyError), obs.transfer("write_back", block_ids=[1]):
+        raise KeyError("boom")
+
+
+def _begin_complete(obs):
+    t = obs.begin("prefetch", block_ids=[1])
+    assert t.complete("done") == "done"
+
+
+def _begin_fail(obs):
+    t = obs.begin("send", block_ids=[1])
+    assert t.fail(OSError("link down"))
+
+
+def _begin_complete_later(obs):
+    @obs.write_back(block_ids="ids", complete_later="key")
+    def write(ids, key):
+        return "submitted"
+
+    assert write([1], key="job-1") == "submitted"
+    assert obs.open_transfer("write_back", "job-1") is not None  # open until the completion arrives
+    assert obs.complete("write_back", "job-1", "stored") == "stored"
+    assert obs.open_transfer("write_back", "job-1") is None
+
+
+FORMS = [_decorated_ok, _decorated_raising, _decorated_corrupt, _decorated_timing_out, _decorated_async,
+         _decorated_async_raising, _with_ok, _with_raising, _begin_complete, _begin_fail, _begin_complete_later]
+
+
+@pytest.mark.parametrize("form", FORMS, ids=[f.__name__.lstrip("_") for f in FORMS])
+def test_the_callers_span_is_current_again_after_every_transfer(form):
+    with capture(engine="ctx", integrity="raise", lock_timeout=0.2) as cap:
+        tracer = cap.provider.get_tracer("engine")
+        with tracer.start_as_current_span("engine.step") as outer:
+            form(cap.observer)
+            assert trace.get_current_span() is outer
+        assert not trace.get_current_span().get_span_context().is_valid
+        assert lock_is_free(cap.observer.lock)
+        kvobs_spans = [s for s in cap.spans if s.name.startswith("kvobs.")]
+        assert kvobs_spans, "the transfer recorded no span"
+        assert all(s.parent is not None and s.parent.span_id == outer.get_span_context().span_id
+                   for s in kvobs_spans)
+
+
+@pytest.mark.parametrize("form", [_decorated_ok, _decorated_async], ids=["sync", "async"])
+def test_the_decorated_call_runs_with_the_transfer_span_current(form):
+    with capture(engine="ctx", integrity=None) as cap:
+        inside = form(cap.observer)
+        (span,) = cap.spans
+        assert inside.get_span_context().span_id == span.context.span_id
+        assert not trace.get_current_span().get_span_context().is_valid
+
+
+def test_the_callers_span_is_current_again_when_no_tracer_records(registry):
+    obs = kvobs.KVObserver("quiet", registry=registry, enabled=False, integrity=None)
+    provider = trace.NoOpTracerProvider()
+    with provider.get_tracer("engine").start_as_current_span("engine.step") as outer:
+        _decorated_raising(obs)
+        _with_ok(obs)
+        assert trace.get_current_span() is outer
+
+
+@pytest.mark.parametrize("form", [_decorated_ok, _decorated_async], ids=["sync", "async"])
+def test_a_call_kvobs_makes_no_span_for_runs_under_the_callers_span(registry, form):
+    obs = kvobs.KVObserver("quiet", registry=registry, enabled=False, integrity=None)
+    caller = TracerProvider().get_tracer("engine")  # the engine traces; kvobs does not
+    with caller.start_as_current_span("engine.step") as outer:
+        assert form(obs) is outer
+        assert trace.get_current_span() is outer
+
+
+def test_an_async_call_kvobs_makes_no_span_for_detaches_nothing(registry, caplog):
+    obs = kvobs.KVObserver("quiet", registry=registry, enabled=False, integrity=None)
+    with caplog.at_level("ERROR", logger="opentelemetry.context"):
+        _decorated_async(obs)
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("opentelemetry")] == []
+
+
+# -- re-entry: refused at once where a transfer would wait for its own caller, and only there ----------------
+
+
+def test_an_ended_transfer_is_not_left_in_the_callers_context(cap):
+    """The context's active transfers are for refusing re-entry; one left behind keeps the ended transfer
+    (its cache, its span) alive for as long as the caller's context lives."""
+    obs = cap.observer
+
+    @obs.send(block_ids="ids", group_sizes="groups")  # naming KV groups: the general lifecycle, not the fast lane
+    def send(ids, groups=(1,)):
+        assert len(active.ACTIVE.get()) == 1
+        return "sent"
+
+    @obs.send(block_ids="ids")
+    async def send_async(ids):
+        assert len(active.ACTIVE.get()) == 1
+        return "sent"
+
+    async def caller():
+        assert await send_async([1]) == "sent"
+        assert active.ACTIVE.get() == ()
+        with pytest.raises(KeyError):
+            async with obs.transfer("send", block_ids=[1]):
+                raise KeyError("boom")
+        assert active.ACTIVE.get() == ()
+
+    assert send([1]) == "sent"
+    assert active.ACTIVE.get() == ()
+    asyncio.run(caller())
+    with obs.transfer("send", block_ids=[1]):
+        assert len(active.ACTIVE.get()) == 1
+    assert active.ACTIVE.get() == ()
+
+
+@pytest.mark.parametrize("outer_form", ["with", "decorator"])
+def test_reentry_is_refused_through_a_transfer_on_another_lock(registry, outer_form):
+    """A (lock 1) runs B (lock 2), which calls C on lock 1: C must be refused at once, not wait for A (its
+    own caller) until the timeout. So the context's active transfers keep A while B is added."""
+    cache_obs = kvobs.KVObserver("cache", registry=registry, integrity=None, lock_timeout=5.0)
+    link_obs = kvobs.KVObserver("link", registry=registry, integrity=None, lock_timeout=5.0)
+
+    @cache_obs.prefetch(block_ids="ids")
+    def c(ids):
+        return "c"
+
+    @link_obs.send(block_ids="ids")
+    def b(ids):
+        return c(ids)
+
+    @cache_obs.write_back(block_ids="ids")
+    def a(ids):
+        return b(ids)
+
+    with pytest.raises(kvobs.ReentrantLockError, match="already holds it for write_back"):
+        if outer_form == "decorator":
+            a([1])
+        else:
+            with cache_obs.transfer("write_back", block_ids=[1]):
+                b([1])
+    assert cache_obs.lock.acquire(0)
+    cache_obs.lock.release()
+    assert link_obs.lock.acquire(0)
+    link_obs.lock.release()
+
+
+def test_a_transfer_of_no_blocks_inside_another_on_the_same_lock_runs(cap):
+    """An empty list of blocks claims nothing, so it cannot wait for its caller: no re-entry refusal."""
+    obs = cap.observer
+
+    @obs.prefetch(block_ids="ids")
+    def inner(ids):
+        return "nothing to load"
+
+    @obs.write_back(block_ids="ids")
+    def outer(ids):
+        return inner([])
+
+    assert outer([1]) == "nothing to load"
+    with obs.transfer("write_back", block_ids=[1]):
+        assert inner([]) == "nothing to load"
+    assert cap.value(sc.TRANSFERS_TOTAL, path="prefetch", outcome="ok") == 2
+
+
+def test_reentry_is_refused_past_an_outer_transfer_that_claims_nothing():
+    with capture(engine="guard", integrity=None, lock_timeout=5.0) as cap:
+        obs = cap.observer
+        with obs.transfer("send", block_ids=[]), obs.transfer("prefetch", block_ids=[1]), \
+                pytest.raises(kvobs.ReentrantLockError):  # at once, not after the 5 s timeout
+            obs.transfer("write_back", block_ids=[1]).start()
+
+
+def test_transfers_on_disjoint_blocks_of_a_block_lock_nest(tmp_path):
+    lock = BlockLock("nest", 8, directory=tmp_path)
+    with capture(engine="nest", integrity=None, lock=lock, lock_timeout=5.0) as cap:
+        obs = cap.observer
+        with obs.transfer("prefetch", block_ids=[1]), obs.transfer("write_back", block_ids=[2]) as inner:
+            assert inner.state == "held"  # other blocks: no wait on itself to refuse
+        with obs.transfer("prefetch", block_ids=[1]), pytest.raises(kvobs.ReentrantLockError):
+            obs.transfer("write_back", block_ids=[1, 2]).start()
+    lock.close()
+
+
+# -- re-entry: refused at once where a transfer would wait for its own caller, and only there (2) ------------
+
+
+def test_reentry_on_the_same_lock_fails_at_once(cap):
+    obs = cap.observer
+
+    @obs.prefetch(block_ids="ids")
+    def inner(ids):
+        return "inner"
+
+    @obs.write_back(block_ids="ids")
+    def outer(ids):
+        return inner(ids)
+
+    start = time.monotonic()
+    with pytest.raises(kvobs.ReentrantLockError, match="already holds it for write_back"):
+        outer([1])
+    assert time.monotonic() - start < 1.0  # the lock timeout is 2 s: it did not wait
+    assert lock_is_free(obs.lock)
+    assert cap.value(sc.TRANSFERS_TOTAL, path="prefetch", outcome="rejected") == 1
+
+
+# -- what a transfer counts and says: moved blocks, its state, how long it waited ----------------------------
+
+
+@pytest.mark.parametrize("form", ["sync", "async"])
+def test_a_guard_naming_only_the_moved_blocks_counts_them(form):
+    with capture(engine="guard", integrity=None) as cap:
+        if form == "sync":
+            @cap.observer.prefetch(result=lambda loaded: loaded)
+            def load():
+                return [1, 2, 3]
+
+            assert load() == [1, 2, 3]
+        else:
+            @cap.observer.prefetch(result=lambda loaded: loaded)
+            async def load():
+                return [1, 2, 3]
+
+            assert asyncio.run(load()) == [1, 2, 3]
+        assert cap.value(sc.TRANSFER_BLOCKS_TOTAL, path="prefetch") == 3
+
+
+def test_a_completion_naming_the_moved_blocks_counts_them_without_an_integrity_policy():
+    with capture(engine="guard", integrity=None) as cap:
+        cap.observer.begin("prefetch", block_ids=[1, 2, 3]).complete(moved=[2])
+        assert cap.value(sc.TRANSFER_BLOCKS_TOTAL, path="prefetch") == 1
+
+
+def test_a_transfer_says_where_it_is_in_its_lifecycle(checked):
+    obs = checked.observer
+    t = obs.transfer("prefetch", block_ids=[1], key="job-1")
+    assert t.state == "new"
+    with t:
+        assert t.state == "held"
+        assert repr(t) == "<kvobs.Transfer prefetch held key='job-1' request_id=None>"
+    assert t.state == "done"
+
+    @obs.write_back(block_ids="ids", complete_later="key")
+    def store(ids, key):
+        return "queued"
+
+    store([2], key="job-2")
+    assert obs.open_transfer("write_back", "job-2").state == "submitted"
+    obs.complete("write_back", "job-2")
+    failed = obs.begin("send", block_ids=[3])
+    failed.fail(OSError("link down"))
+    assert failed.state == "failed"
+    abandoned = obs.begin("receive", block_ids=[4])
+    abandoned.abandon()
+    assert abandoned.state == "abandoned"
+
+
+def test_a_lock_timeout_says_how_long_it_waited(checked):
+    obs = checked.observer
+    release, holder = hold_in_thread(obs.lock)
+    try:
+        with capture(engine="short", integrity=None, lock=obs.lock, lock_timeout=0.1) as short, \
+                pytest.raises(kvobs.LockTimeout) as info, short.observer.transfer("prefetch", block_ids=[1]):
+            raise AssertionError("never entered")
+    finally:
+        release.set()
+        holder.join()
+    assert 0.1 <= info.value.waited_s < 5.0
+
+
+# -- what may be guarded: no generators, no awaitable handed back by a sync function -------------------------
+
+
+def test_generators_are_refused_at_decoration(cap):
+    obs = cap.observer
+
+    def gen(ids):
+        yield ids
+
+    async def agen(ids):
+        yield ids
+
+    for func in (gen, agen):
+        with pytest.raises(TypeError, match="generator"):
+            obs.send(block_ids="ids")(func)
+
+
+def test_a_sync_function_returning_a_coroutine_is_refused(cap):
+    obs = cap.observer
+    ran = []
+
+    async def copy(ids):
+        ran.append(ids)
+
+    @obs.send(block_ids="ids")
+    def send(ids):
+        return copy(ids)
+
+    with pytest.raises(TypeError, match="awaitable"):
+        send([1])
+    assert ran == []
+    assert lock_is_free(obs.lock)
+    assert cap.value(sc.TRANSFERS_TOTAL, path="send", outcome="error") == 1
+
+
+# -- what may be guarded (2) ---------------------------------------------------------------------------------
+
+
+def test_a_refused_coroutine_is_closed_so_python_never_warns_it_was_not_awaited(checked):
+    async def copy():
+        return "copied"
+
+    @checked.observer.prefetch(block_ids="ids")
+    def submit(ids):
+        return copy()  # a sync function handing back the copy: kvobs refuses to leave it unguarded
+
+    message = ""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            submit([1])
+        except TypeError as exc:
+            message = str(exc)
+        gc.collect()  # the coroutine, if still open, warns as it is collected
+    assert "returned an awaitable" in message
+    assert [str(w.message) for w in caught if "never awaited" in str(w.message)] == []
+
+
+# -- hooks ---------------------------------------------------------------------------------------------------
+
+
+def test_hooks_run_when_telemetry_is_disabled_and_see_every_outcome(registry):
+    records = []
+    obs = kvobs.KVObserver("h", enabled=False, integrity=None, lock_timeout=0.2, hooks=[records.append])
+
+    @obs.send(block_ids="ids", request_id="rid")
+    def send(rid, ids):
+        if rid == "boom":
+            raise ValueError("boom")
+        return "sent"
+
+    send("ok-1", [1])
+    with pytest.raises(ValueError):
+        send("boom", [1])
+    with pytest.raises(kvobs.TransferRejected):
+        send("bad", [1, 1])
+    assert obs.lock.acquire(0)
+    with pytest.raises(kvobs.LockTimeout):
+        send("late", [2])
+    obs.lock.release()
+    assert [(r.outcome, r.request_id) for r in records] == [
+        ("ok", "ok-1"), ("error", "boom"), ("rejected", "bad"), ("timeout", "late")]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from test_examples import run_example
+from examples_support import run_example
 
 
 def test_the_storage_cache_example_shows_each_case():

@@ -10,8 +10,9 @@ from contextlib import ExitStack
 import numpy as np
 import pytest
 from fastdeploy_shaped import cache_messager
-from fastdeploy_shaped.prefill import LAYERS, prefill_node, wait_until
+from fastdeploy_shaped.prefill import LAYERS, prefill_node
 from fastdeploy_shaped.tensors import ids
+from support import wait_until
 
 from kvobs.integrations import fastdeploy as kvfd
 from kvobs.signals import StepAlignedSignalBuffer

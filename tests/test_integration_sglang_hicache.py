@@ -12,12 +12,12 @@ from typing import Any
 
 import pytest
 import torch
+from support import wait_until
 from test_integration_sglang_support import (  # noqa: F401
     PAGE,
     HiCacheRig,
     engine,
     radix_stand_in,
-    wait_until,
 )
 
 import kvobs

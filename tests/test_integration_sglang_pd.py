@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from support import wait_until
 from test_integration_sglang_support import (  # noqa: F401  (engine: a fixture)
     PAGE,
     ROOM,
@@ -22,7 +23,6 @@ from test_integration_sglang_support import (  # noqa: F401  (engine: a fixture)
     page_rows,
     receiver,
     sender,
-    wait_until,
 )
 
 import kvobs

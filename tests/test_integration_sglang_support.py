@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import math
 import threading
-import time
 import types
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -81,14 +80,6 @@ def transfer_kv_direct(src_layers: list[torch.Tensor], dst_layers: list[torch.Te
     """`sgl_kernel.kvcacheio.transfer_kv_direct` on CPU: copy the rows of every layer."""
     for src, dst in zip(src_layers, dst_layers, strict=True):
         dst[dst_indices] = src[src_indices]
-
-
-def wait_until(condition: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 import upstream
-from test_integration_vllm_support import BASE, wait_until
+from support import wait_until
+from test_integration_vllm_support import BASE
 
 NIXL_META = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata"
 # What the prefill node's GPU blocks hold, readable by the decode node: (remote engine id, block id) -> value.

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import itertools
 import threading
-import time
 import types
 from collections.abc import Iterator
 from typing import Any
@@ -20,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 import upstream
+from support import wait_until
 
 BASE = "vllm.distributed.kv_transfer.kv_connector.v1.base"
 FACTORY = "vllm.distributed.kv_transfer.kv_connector.factory"
@@ -44,13 +44,6 @@ def default_engine_observer() -> Iterator[Any]:
     undo = use_observer(obs)
     yield obs
     undo()
-
-
-def wait_until(condition: Any, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.01)
 
 
 def engine_label() -> str:

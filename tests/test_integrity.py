@@ -7,7 +7,6 @@ per-block reference.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import pickle
 import random
@@ -17,6 +16,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from integrity_support import FLOATS, FP8, METHODS, check, expect, naive, raw
 
 from kvobs.integrity import (
     POLICIES,
@@ -24,37 +24,16 @@ from kvobs.integrity import (
     CorruptKVError,
     IntegrityPolicy,
     check_blocks,
-    kernel,
     torch_path,
 )
 from kvobs.integrity.ids import runs
 from kvobs.semconv import CHECK_CLEAN, CHECK_INF, CHECK_NAN
 
-FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
-FP8 = [torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz, torch.float8_e8m0fnu]
 WITH_INF = set(FLOATS) | {torch.float8_e5m2}
-NAN, INF = float("nan"), float("inf")
+NAN = float("nan")
+INF = float("inf")
 NUM_BLOCKS = 16
 BLOCK = (4, 2, 8)  # tokens, heads, head dim
-METHODS = ["kernel", "torch"]
-
-
-@contextlib.contextmanager
-def forced(method: str):
-    """The check runs on exactly this path: the kernel takes every layout (even tiny pieces), torch all."""
-    if method != "kernel":
-        yield method
-        return
-    pytest.importorskip("numba")
-    assert kernel.unavailable_reason() is None, kernel.unavailable_reason()
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(kernel, "MIN_PIECE_BYTES", 0)
-        yield method
-
-
-def check(cache, ids, method: str, **options) -> CheckResult:
-    with forced(method):
-        return check_blocks(cache, ids, method=method, **options)
 
 
 def bad_values(dtype) -> list[float]:
@@ -63,30 +42,6 @@ def bad_values(dtype) -> list[float]:
 
 def ones(shape, dtype) -> torch.Tensor:
     return torch.ones(shape).to(dtype)
-
-
-def raw(t: torch.Tensor) -> torch.Tensor:
-    """Bytes of a tensor, comparable with torch.equal even when it holds NaN."""
-    return t.contiguous().view(torch.uint8)
-
-
-def naive(tensors: list[torch.Tensor], ids, block_dim: int = 0) -> tuple[set[int], set[int]]:
-    """Reference: per block, NaN anywhere -> nan; else any non-finite -> inf."""
-    nan, inf = set(), set()
-    for b in {int(i) for i in ids}:
-        blocks = [t.select(block_dim, b).float() if t.element_size() == 1 else t.select(block_dim, b) for t in tensors]
-        if any(x.isnan().any() for x in blocks):
-            nan.add(b)
-        elif any(not torch.isfinite(x).all() for x in blocks):
-            inf.add(b)
-    return nan, inf
-
-
-def expect(result: CheckResult, nan=(), inf=(), checked=None) -> None:
-    assert result.nan_block_ids == tuple(sorted(nan))
-    assert result.inf_block_ids == tuple(sorted(inf))
-    if checked is not None:
-        assert result.checked_blocks == checked
 
 
 def finding(value: float, block: int) -> tuple[set[int], set[int]]:
@@ -144,9 +99,12 @@ def test_blocks_outside_selection_never_reported(method, dtype):
 def test_nan_wins_over_inf_in_one_block_and_across_tensors(method):
     k = torch.ones(NUM_BLOCKS, *BLOCK)
     v = torch.ones(NUM_BLOCKS, *BLOCK)
-    k[3, 0, 0, 0], k[3, 3, 1, 7] = INF, NAN
-    k[5, 0, 0, 0], v[5, 0, 0, 0] = -INF, NAN
-    k[6, 2, 0, 0], v[6, 1, 0, 0] = INF, -INF
+    k[3, 0, 0, 0] = INF
+    k[3, 3, 1, 7] = NAN
+    k[5, 0, 0, 0] = -INF
+    v[5, 0, 0, 0] = NAN
+    k[6, 2, 0, 0] = INF
+    v[6, 1, 0, 0] = -INF
     result = check([(k, v)], range(NUM_BLOCKS), method)
     expect(result, nan={3, 5}, inf={6})
     assert result.bad_block_ids == (3, 5, 6)

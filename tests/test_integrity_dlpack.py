@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_integrity import METHODS, check, expect
+from integrity_support import METHODS, check, expect
 
 from kvobs.integrity import check_blocks, validate_cache
 

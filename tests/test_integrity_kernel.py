@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from test_integrity import FLOATS, FP8, expect, naive, raw
+from integrity_support import FLOATS, FP8, expect, naive, raw
 
 from kvobs.integrity import check_blocks, kernel, threads, torch_path, validate_cache
 from kvobs.integrity.bits import non_finite_bits

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+
 import pytest
 import torch
 
@@ -10,7 +13,7 @@ from kvobs import semconv as sc
 from kvobs.integrity import CorruptKVError
 from kvobs.policy import IntegrityPolicy
 from kvobs.testing import capture
-from support import lock_is_free
+from support import lock_is_free, lock_is_free_from_other_thread
 
 
 def kv_cache(blocks=16):
@@ -239,3 +242,141 @@ def test_begin_can_leave_a_corrupt_copy_out_instead_of_raising():
         with pytest.raises(CorruptKVError):  # without skippable, the caller's code cannot be left out
             cap.observer.begin("write_back", block_ids=[2], cache=cache)
         assert lock_is_free(cap.observer.lock)
+
+
+# -- `with obs.transfer("prefetch", ...)`: the destinations are checked when the block exits -----------------
+
+
+def test_with_prefetch_checks_the_blocks_it_loaded_on_exit_and_raises_what_it_finds(checked):
+    cache = kv_cache()
+    with pytest.raises(CorruptKVError) as info, \
+            checked.observer.transfer("prefetch", block_ids=[2, 5], cache=cache):
+        assert not lock_is_free_from_other_thread(checked.observer.lock)
+        cache[5, 1, 1, 3] = float("nan")  # the "load" brings a bad value into a destination block
+    assert info.value.bad_block_ids == (5,)
+    assert "prefetch" in str(info.value)
+    assert lock_is_free(checked.observer.lock)
+    assert checked.value(sc.TRANSFERS_TOTAL, path="prefetch", outcome="error") == 1
+    assert checked.value(sc.NAN_CHECKS_TOTAL, path="prefetch", result="nan") == 1
+    (span,) = checked.spans
+    assert span.attributes[sc.ATTR_ERROR_TYPE] == "CorruptKVError"
+
+
+def test_with_prefetch_does_not_look_at_blocks_before_they_are_loaded(checked):
+    cache = kv_cache()
+    cache[3] = float("inf")  # stale garbage in a destination the prefetch is about to overwrite
+    with checked.observer.transfer("prefetch", block_ids=[3], cache=cache):
+        cache[3] = 1.0
+    assert checked.value(sc.TRANSFERS_TOTAL, path="prefetch", outcome="ok") == 1
+    assert checked.value(sc.NAN_CHECKS_TOTAL, path="prefetch", result="clean") == 1
+
+
+def test_with_prefetch_leaves_blocks_outside_the_transfer_alone(checked):
+    cache = kv_cache()
+    cache[7] = float("nan")
+    with checked.observer.transfer("prefetch", block_ids=[1, 2], cache=cache):
+        pass
+    assert checked.value(sc.TRANSFERS_TOTAL, path="prefetch", outcome="ok") == 1
+
+
+def test_async_with_prefetch_checks_on_exit(checked):
+    cache = kv_cache()
+
+    async def main():
+        async with checked.observer.transfer("prefetch", block_ids=[0, 1], cache=cache):
+            await asyncio.sleep(0)
+            cache[0, 0, 0] = float("-inf")
+
+    with pytest.raises(CorruptKVError) as info:
+        asyncio.run(main())
+    assert info.value.bad_block_ids == (0,)
+    assert lock_is_free(checked.observer.lock)
+
+
+# -- what a check at completion reads, and the skip policy in an async guard ---------------------------------
+
+
+def test_only_the_blocks_that_moved_are_checked_at_completion(checked):
+    cache = kv_cache()
+    cache[2] = float("nan")  # block 2 was never loaded: its stale contents are not this transfer's doing
+    t = checked.observer.begin("prefetch", block_ids=[1, 2], cache=cache)
+    assert t.complete("loaded 1", moved=[1]) == "loaded 1"
+    assert checked.value(sc.NAN_CHECKS_TOTAL, path="prefetch", result="clean") == 1
+
+
+def test_a_transfer_naming_no_blocks_checks_nothing_even_with_a_cache(checked):
+    cache = kv_cache()
+    cache[0] = float("nan")
+    with checked.observer.transfer("prefetch", cache=cache):  # no block ids: nothing known to have moved
+        pass
+    assert checked.value(sc.TRANSFERS_TOTAL, path="prefetch", outcome="ok") == 1
+    assert checked.value(sc.NAN_CHECKS_TOTAL, path="prefetch", result="nan") == 0
+
+
+def test_an_async_write_back_of_corrupt_blocks_is_skipped_and_never_runs():
+    cache = kv_cache()
+    cache[3, 0, 1] = float("nan")
+    written = []
+    with capture(engine="askip", integrity=kvobs.IntegrityPolicy("skip", skip_result="skipped"),
+                 lock_timeout=2.0) as cap:
+        @cap.observer.write_back(block_ids="ids", cache=lambda ids: cache)
+        async def write_back(ids):
+            written.append(ids)
+            return "stored"
+
+        assert asyncio.run(write_back([2, 3])) == "skipped"
+        assert asyncio.run(write_back([4])) == "stored"
+        assert written == [[4]]
+        assert lock_is_free(cap.observer.lock)
+        assert cap.value(sc.TRANSFERS_TOTAL, path="write_back", outcome="rejected") == 1
+        assert cap.value(sc.TRANSFERS_TOTAL, path="write_back", outcome="ok") == 1
+
+
+# -- an IntegrityPolicy is checked when it is made, and never changes ----------------------------------------
+
+
+@pytest.mark.parametrize("fraction", [True, False, "0.5", [0.5], 0.5j, b"1"])
+def test_a_fraction_that_is_not_a_number_is_rejected(fraction):
+    with pytest.raises(ValueError, match=r"fraction must be a number in \(0, 1\]"):
+        IntegrityPolicy(fraction=fraction)
+
+
+@pytest.mark.parametrize("fraction", [1, 0.5, 1e-9])
+def test_numbers_in_range_are_accepted_as_fractions(fraction):
+    assert IntegrityPolicy(fraction=fraction).fraction == fraction
+
+
+@pytest.mark.parametrize("fraction", [0, -0.5, 1.0000001, float("nan")])
+def test_a_fraction_out_of_range_is_rejected(fraction):
+    with pytest.raises(ValueError, match="fraction must be in"):
+        IntegrityPolicy(fraction=fraction)
+
+
+@pytest.mark.parametrize("every", [True, "2", 2.0, 0, -1])
+def test_every_must_be_a_positive_int(every):
+    with pytest.raises(ValueError, match="every must be an int >= 1"):
+        IntegrityPolicy(every=every)
+
+
+def test_every_with_a_fraction_is_refused_but_every_1_is_the_default():
+    with pytest.raises(ValueError, match="not both"):
+        IntegrityPolicy(every=2, fraction=0.5)
+    assert IntegrityPolicy(every=1, fraction=0.5).fraction == 0.5
+
+
+def test_a_policy_cannot_be_changed_after_its_checks_ran():
+    policy = IntegrityPolicy("count", every=2)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        policy.mode = "explode"  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        policy.every = 0  # type: ignore[misc]
+    assert (policy.mode, policy.every) == ("count", 2)
+
+
+def test_a_skip_result_takes_no_part_in_equality_and_may_be_unhashable():
+    """`skip_result=[]` is the documented way to say "nothing loaded"; the policy must still hash."""
+    a = IntegrityPolicy("skip", skip_result=[])
+    b = IntegrityPolicy("skip", skip_result={"loaded": 0})
+    assert a == b
+    assert hash(a) == hash(b)
+    assert a != IntegrityPolicy("raise")

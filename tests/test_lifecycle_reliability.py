@@ -8,6 +8,7 @@ Real threads and real signals throughout (the storm is a SIGALRM interval timer 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import ctypes
 import sys
 import threading
@@ -16,7 +17,7 @@ from typing import Any
 
 import pytest
 import structlog
-from interrupts import Interrupt, interrupt_at, spread_storm
+from interrupts import Interrupt, interrupt_at, interrupt_storm
 from support import lock_is_free, lock_is_free_from_other_thread
 
 import kvobs
@@ -269,7 +270,7 @@ def test_interrupt_storm_on_with_blocks_leaks_no_lock(tmp_path, kind):
     lock = _storm_lock(kind, tmp_path)
     obs = kvobs.KVObserver("storm", lock=lock, enabled=False, integrity=None, lock_timeout=1.0)
     calls = _WithBlocks(obs)
-    rounds, interrupted, leaked = spread_storm(calls)
+    rounds, interrupted, leaked = interrupt_storm(calls, seconds=2.0, interrupted_calls=300, spread=60)
     assert interrupted >= 300, (rounds, interrupted)
     assert leaked == 0, f"{leaked} of {interrupted} interrupted with-blocks left the lock held ({rounds} rounds)"
     assert calls.lock_is_free()
@@ -361,3 +362,95 @@ def test_an_interrupt_at_any_instruction_of_an_async_exit_leaks_nothing(tmp_path
     assert finished and opcode > 20
     calls()
     lock.close()
+
+
+# -- the interrupt storm on guarded calls, and with-blocks exited elsewhere ----------------------------------
+
+
+class _Calls:
+    def __init__(self, obs: kvobs.KVObserver, form: str) -> None:
+        self.obs = obs
+        self.form = form
+
+        @obs.send(block_ids="ids")
+        def send(ids):
+            return len(ids)
+
+        self.send = send
+
+    def __call__(self) -> None:
+        if self.form == "decorator":
+            self.send([1, 2])
+        else:
+            self.obs.begin("send", block_ids=[1, 2]).complete()
+
+    def lock_is_free(self) -> bool:
+        return lock_is_free(self.obs.lock)
+
+    def recover(self) -> None:
+        for table in self.obs.open.by_path.values():
+            for t in list(table.values()):
+                t.abandon()
+
+
+@pytest.mark.parametrize("kind", ["thread", "process"])
+def test_interrupt_storm_leaks_no_hold(tmp_path, kind):
+    lock = kvobs.ThreadLock() if kind == "thread" else ProcessLock("storm", directory=tmp_path)
+    obs = kvobs.KVObserver("storm", lock=lock, enabled=False, integrity=None, lock_timeout=1.0)
+    calls, interrupted, leaked = interrupt_storm(_Calls(obs, "decorator"))
+    assert interrupted > 500, (calls, interrupted)
+    assert leaked == 0, f"{leaked} of {interrupted} interrupted calls left the lock held"
+    assert obs.open.count("send") == 0
+
+
+def test_interrupt_storm_on_begin_and_complete_loses_nothing_past_the_deadline(tmp_path):
+    """`t = obs.begin(...)` then `t.complete()`: kvobs's own code leaks nothing, but an interrupt landing
+    between the two (in the caller's code) loses the handle; the deadline then abandons that transfer."""
+    records = []
+    obs = kvobs.KVObserver("storm", enabled=False, integrity=None, lock_timeout=1.0, deadline=0.2,
+                           hooks=[records.append])
+
+    class Calls(_Calls):
+        def recover(self) -> None:  # leave a lost handle to the deadline
+            deadline = time.monotonic() + 5
+            while not lock_is_free(self.obs.lock) and time.monotonic() < deadline:
+                time.sleep(0.01)
+
+    calls, interrupted, lost = interrupt_storm(Calls(obs, "begin"))
+    assert interrupted > 500, (calls, interrupted)
+    assert lock_is_free(obs.lock) and obs.open.count("send") == 0
+    assert sum(r.outcome == sc.OUTCOME_ABANDONED for r in records) == lost
+
+
+def test_with_block_exited_in_another_thread_releases(cap):
+    obs = cap.observer
+
+    def body():
+        with obs.transfer("send", block_ids=[1]):
+            yield "inside"
+
+    gen = body()
+    assert next(gen) == "inside"
+    assert not lock_is_free_from_other_thread(obs.lock)
+    errors = []
+
+    def finish():
+        try:
+            next(gen, None)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    t = threading.Thread(target=finish)
+    t.start()
+    t.join()
+    assert errors == []
+    assert lock_is_free(obs.lock)
+    assert cap.value(sc.TRANSFERS_TOTAL, path="send", outcome="ok") == 1
+
+
+def test_with_block_exited_in_a_copied_context_releases(cap):
+    obs = cap.observer
+    t = obs.transfer("send", block_ids=[1])
+    t.__enter__()
+    contextvars.copy_context().run(t.__exit__, None, None, None)
+    assert lock_is_free(obs.lock)

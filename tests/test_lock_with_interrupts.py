@@ -11,7 +11,7 @@ import threading
 from typing import Any
 
 import pytest
-from interrupts import Interrupt, interrupt_at, spread_storm
+from interrupts import Interrupt, interrupt_at, interrupt_storm
 from support import lock_is_free_from_other_thread
 
 from kvobs.block_lock import BlockLock
@@ -160,7 +160,7 @@ def test_looking_the_exit_up_outside_a_with_statement_changes_nothing(subject):
 
 
 class _StormedWith:
-    """`with lock: pass` for the signal storm (`interrupts.spread_storm`), the body empty so that the
+    """`with lock: pass` for the signal storm (`interrupts.interrupt_storm`), the body empty so that the
     signals land on the entry and the exit."""
 
     def __init__(self, subject: Any) -> None:
@@ -180,7 +180,7 @@ class _StormedWith:
 def test_a_real_signal_storm_on_direct_with_locks_leaks_nothing(subject):
     """Real SIGALRMs every 30 us, each call letting 1-60 pass before one raises."""
     calls = _StormedWith(subject)
-    rounds, interrupted, leaked = spread_storm(calls)
+    rounds, interrupted, leaked = interrupt_storm(calls, seconds=2.0, interrupted_calls=300, spread=60)
     assert interrupted >= 100, (rounds, interrupted)  # aims at 300 within 15 s; a bare with-lock is brief
     assert leaked == 0, f"{leaked} of {interrupted} interrupted with-locks left the lock held ({rounds} rounds)"
     assert calls.lock_is_free()

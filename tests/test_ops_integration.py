@@ -33,11 +33,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from prometheus_client import CollectorRegistry, start_http_server
-
-from kvobs import semconv as sc
 from ops_support import (
     ALERTMANAGER_CONFIG,
+    NOT_YET,
+    POLL_INTERVAL_S,
     PROM_CONFIG,
     WebhookReceiver,
     alert_rules,
@@ -57,8 +56,11 @@ from ops_support import (
     start_prometheus,
     substitute_grafana_vars,
     variable_queries,
-    wait_until,
 )
+from prometheus_client import CollectorRegistry, start_http_server
+from support import wait_until
+
+from kvobs import semconv as sc
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -175,7 +177,8 @@ def stack(processes, tmp_path_factory) -> Iterator[Stack]:  # noqa: F811 - fixtu
                 up = prom_query(prom, f'up{{job="kvobs",instance="{instance}"}} == 1')
                 return bool(up) and bool(prom_query(prom, f'{sc.TRANSFERS_TOTAL}{{instance="{instance}"}}'))
 
-            wait_until(demo_scraped, 30, "the first successful scrape of the demo", on_timeout=processes.report)
+            wait_until(demo_scraped, "the first successful scrape of the demo", timeout=30, interval=POLL_INTERVAL_S,
+                       ignoring=NOT_YET, on_timeout=processes.report)
             yield Stack(prom, am, webhook, instance, processes.report)
         finally:
             server.shutdown()
@@ -220,7 +223,7 @@ def test_every_dashboard_and_rule_query_returns_data(stack: Stack) -> None:
                         pytrace=False)
         return not pending
 
-    wait_until(all_have_data, 45, "every query to return data",
+    wait_until(all_have_data, "every query to return data", timeout=45, interval=POLL_INTERVAL_S, ignoring=NOT_YET,
                on_timeout=lambda: "no data:\n" + "\n".join(f"{w}:\n    {e}" for w, e in pending.items()))
 
 
@@ -229,7 +232,8 @@ def test_every_rule_is_healthy(stack: Stack) -> None:
         rules = [r for g in http_json(stack.prometheus + "/api/v1/rules")["data"]["groups"] for r in g["rules"]]
         return rules if rules and all(r["health"] != "unknown" for r in rules) else []
 
-    rules = wait_until(evaluated, 20, "every rule to be evaluated once")
+    rules = wait_until(evaluated, "every rule to be evaluated once", timeout=20, interval=POLL_INTERVAL_S,
+                       ignoring=NOT_YET)
     names = {r["name"] for r in rules}
     assert names == {r.get("alert") or r["record"] for r in alert_rules() + recording_rules()}
     bad = [(r["name"], r["health"], r.get("lastError")) for r in rules if r["health"] != "ok"]
@@ -243,10 +247,10 @@ def test_stale_signal_and_nan_alerts_fire_and_reach_the_webhook(stack: Stack) ->
         fired = prom_query(stack.prometheus, f'max_over_time(ALERTS{{alertstate="firing",alertname=~"{names}"}}[5m])')
         return set(MUST_FIRE) <= {s["metric"]["alertname"] for s in fired}
 
-    wait_until(firing_in_prometheus, 60, f"{MUST_FIRE} to fire in Prometheus",
-               on_timeout=lambda: str(http_json(stack.prometheus + "/api/v1/alerts")))
-    wait_until(lambda: all(stack.webhook.firing(n) for n in MUST_FIRE), 30, f"{MUST_FIRE} at the webhook",
-               on_timeout=lambda: f"received: {stack.webhook.alerts()}\n{stack.report()}")
+    wait_until(firing_in_prometheus, f"{MUST_FIRE} to fire in Prometheus", timeout=60, interval=POLL_INTERVAL_S,
+               ignoring=NOT_YET, on_timeout=lambda: str(http_json(stack.prometheus + "/api/v1/alerts")))
+    wait_until(lambda: all(stack.webhook.firing(n) for n in MUST_FIRE), f"{MUST_FIRE} at the webhook", timeout=30,
+               interval=POLL_INTERVAL_S, ignoring=NOT_YET, on_timeout=lambda: f"received: {stack.webhook.alerts()}\n{stack.report()}")
 
     for name in MUST_FIRE:
         alert = stack.webhook.firing(name)[0]
@@ -270,12 +274,14 @@ def stored_exemplars(base: str, selector: str) -> list[dict]:
 def test_scrape_keeps_exemplars_for_trace_links(stack: Stack) -> None:
     """OpenMetrics was negotiated and exemplar storage is on: a trace_id exemplar is queryable."""
     probe = f'{sc.TRANSFER_DURATION_SECONDS}_bucket{{job="exemplar-probe"}}'
-    found = wait_until(lambda: stored_exemplars(stack.prometheus, probe), 20, "a stored exemplar of the probe")
+    found = wait_until(lambda: stored_exemplars(stack.prometheus, probe), "a stored exemplar of the probe", timeout=20,
+                       interval=POLL_INTERVAL_S, ignoring=NOT_YET)
     assert any(e["labels"].get("trace_id") == PROBE_TRACE_ID for e in found), found
 
 
 def test_demo_latency_histograms_carry_trace_exemplars(stack: Stack) -> None:
     """The latency panels' exemplar links work with the real demo: its spans' trace ids reach Prometheus."""
     demo = f'{sc.TRANSFER_DURATION_SECONDS}_bucket{{instance="{stack.demo_instance}"}}'
-    found = wait_until(lambda: stored_exemplars(stack.prometheus, demo), 20, "a stored exemplar of the demo")
+    found = wait_until(lambda: stored_exemplars(stack.prometheus, demo), "a stored exemplar of the demo", timeout=20,
+                       interval=POLL_INTERVAL_S, ignoring=NOT_YET)
     assert all(len(e["labels"].get("trace_id", "")) == 32 for e in found), found[:3]

@@ -1,7 +1,7 @@
 """EarlySignalBuffer: decisions, inputs, telemetry, a stateful model and real threads.
 
 The step-aligned buffer is in test_signals_step_aligned.py, bounds and floods in test_signals_bounds.py; the
-helpers here are shared with them.
+helpers they share with this file are in signals_support.py.
 """
 
 from __future__ import annotations
@@ -23,64 +23,24 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from signals_support import (
+    ENGINE,
+    FakeClock,
+    RecordingLogger,
+    counts,
+    make_metrics,
+    nothing_but,
+    outcome_count,
+)
 
 from kvobs import semconv as sc
 from kvobs.signals import EarlySignalBuffer, Progress, ReadySignal, SignalBufferFull
 from kvobs.signals.reporting import ATTR_WAITED_S, LOG_INTERVAL_S
 from kvobs.telemetry.engine_metrics import EngineMetrics
-from kvobs.telemetry.families import MetricFamilies
-
-ENGINE = "test"
-
-
-class FakeClock:
-    def __init__(self, now: float = 1000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
-
-class RecordingLogger:
-    def __init__(self) -> None:
-        self.records: list[tuple[str, str, dict]] = []
-
-    def _log(self, level: str):
-        return lambda event, **kw: self.records.append((level, event, kw))
-
-    def __getattr__(self, level: str):
-        return self._log(level)
-
-
-def make_metrics(engine: str = ENGINE) -> tuple[CollectorRegistry, EngineMetrics]:
-    registry = CollectorRegistry()
-    return registry, EngineMetrics(MetricFamilies.of(registry), engine=engine, lock_name="cache")
-
-
-def outcome_count(registry: CollectorRegistry, outcome: str, engine: str = ENGINE) -> float:
-    """One scrape of the registry (counts are flushed when the pending gauge is read, before the counter)."""
-    return registry.get_sample_value(sc.SIGNALS_TOTAL, {"engine": engine, "outcome": outcome}) or 0.0
-
-
-def counts(registry: CollectorRegistry, engine: str = ENGINE) -> dict[str, float]:
-    """Every outcome's count, from one scrape."""
-    found = dict.fromkeys(sc.SIGNAL_OUTCOMES, 0.0)
-    for metric in registry.collect():
-        for sample in metric.samples:
-            if sample.name == sc.SIGNALS_TOTAL and sample.labels["engine"] == engine:
-                found[sample.labels["outcome"]] = sample.value
-    return found
 
 
 def telemetry_errors(registry: CollectorRegistry, stage: str, engine: str = ENGINE) -> float:
     return registry.get_sample_value(sc.TELEMETRY_ERRORS_TOTAL, {"engine": engine, "stage": stage}) or 0.0
-
-
-def nothing_but(**expected: float) -> dict[str, float]:
-    return {**dict.fromkeys(sc.SIGNAL_OUTCOMES, 0.0), **expected}
 
 
 def waited(registry: CollectorRegistry, engine: str = ENGINE) -> float:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from prometheus_client import generate_latest
-from test_signals import ENGINE, FakeClock, RecordingLogger, counts, make_metrics, outcome_count
+from signals_support import ENGINE, FakeClock, RecordingLogger, counts, make_metrics, outcome_count
 
 from kvobs import semconv as sc
 from kvobs.signals import EarlySignalBuffer, SignalBufferFull, StepAlignedSignalBuffer

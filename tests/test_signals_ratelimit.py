@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from test_signals import FakeClock, RecordingLogger
+from signals_support import FakeClock, RecordingLogger
 
 from kvobs.telemetry.ratelimit import SUPPRESSED_FIELD, RateLimitedLog
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
-from test_signals import FakeClock, RecordingLogger, counts, make_metrics, nothing_but, outcome_count
+from signals_support import FakeClock, RecordingLogger, counts, make_metrics, nothing_but, outcome_count
 
 from kvobs import semconv as sc
 from kvobs.signals import EarlySignalBuffer, Progress, ReadySignal, SignalBufferFull, StepAlignedSignalBuffer

@@ -9,13 +9,13 @@ from __future__ import annotations
 import inspect
 import sys
 import threading
-import time
 import types
 from typing import Any
 
 import pytest
 import torch
 import upstream
+from support import wait_until
 from upstream import sglang, vllm  # noqa: F401  (fixtures)
 
 BASE = "vllm.distributed.kv_transfer.kv_connector.v1.base"
@@ -25,13 +25,6 @@ OFFLOAD_COMMON = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.common
 
 def params(function: Any) -> list[str]:
     return list(inspect.signature(function).parameters)
-
-
-def wait_until(condition: Any, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.01)
 
 
 # --------------------------------------------------------------------------------------------

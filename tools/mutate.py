@@ -48,47 +48,43 @@ ROOT = Path(__file__).resolve().parent.parent
 # first failure). The comma groups are the parts split out of a core module since the issue listed them.
 MODULE_TESTS: dict[str, list[str]] = {
     "kvobs/validation.py": [
-        "tests/test_mutation_gaps_validation.py", "tests/test_validation.py", "tests/test_batches.py",
-        "tests/test_lifecycle_defects.py", "tests/test_integrity_wiring.py",
+        "tests/test_validation.py", "tests/test_batches.py", "tests/test_integrity_wiring.py",
     ],
     "kvobs/policy.py": [
-        "tests/test_mutation_gaps_validation.py", "tests/test_integrity.py", "tests/test_integrity_wiring.py",
+        "tests/test_integrity_wiring.py", "tests/test_integrity.py",
     ],
     "kvobs/atomic.py": [
-        "tests/test_locks.py", "tests/test_lifecycle_defects.py", "tests/test_block_lock.py",
+        "tests/test_locks.py", "tests/test_lifecycle_reliability.py", "tests/test_block_lock.py",
     ],
     "kvobs/locks.py": [
-        "tests/test_mutation_gaps_locks.py", "tests/test_locks.py", "tests/test_guard.py",
-        "tests/test_lifecycle_defects.py", "tests/test_async.py",
+        "tests/test_locks.py", "tests/test_guard.py", "tests/test_async.py", "tests/test_lifecycle_reliability.py",
     ],
     "kvobs/block_lock.py": [
-        "tests/test_mutation_gaps_block_lock.py", "tests/test_block_lock.py", "tests/test_block_lock_model.py", "tests/test_block_lock_processes.py",
+        "tests/test_block_lock.py", "tests/test_block_lock_model.py", "tests/test_block_lock_processes.py",
     ],
     "kvobs/block_plan.py,kvobs/block_descriptions.py,kvobs/block_claim.py": [
-        "tests/test_mutation_gaps_block_lock.py", "tests/test_block_lock.py", "tests/test_block_lock_model.py", "tests/test_block_lock_processes.py",
+        "tests/test_block_lock.py", "tests/test_block_lock_model.py", "tests/test_block_lock_processes.py",
         "tests/test_block_lock_storm.py",
     ],
     "kvobs/polling.py,kvobs/forks.py": [
-        "tests/test_mutation_gaps_locks.py", "tests/test_locks.py", "tests/test_block_lock.py",
-        "tests/test_block_lock_processes.py", "tests/test_signals.py",
+        "tests/test_locks.py", "tests/test_block_lock.py", "tests/test_block_lock_processes.py",
+        "tests/test_signals.py",
     ],
     "kvobs/transfer.py,kvobs/transfer_checks.py": [
-        "tests/test_mutation_gaps_transfer.py", "tests/test_mutation_gaps_validation.py", "tests/test_guard.py", "tests/test_async.py",
-        "tests/test_lifecycle_defects.py", "tests/test_batches.py", "tests/test_faults.py",
-        "tests/test_integrity_wiring.py", "tests/test_validation.py", "tests/test_trace_propagation.py",
+        "tests/test_guard.py", "tests/test_async.py", "tests/test_faults.py", "tests/test_validation.py",
+        "tests/test_async_engines.py", "tests/test_lifecycle_reliability.py", "tests/test_batches.py",
+        "tests/test_integrity_wiring.py", "tests/test_trace_propagation.py",
     ],
     "kvobs/fast_lane.py,kvobs/lane_values.py": [
-        "tests/test_fast_lane.py", "tests/test_guard.py", "tests/test_lifecycle_defects.py",
-        "tests/test_mutation_gaps_transfer.py",
+        "tests/test_fast_lane.py", "tests/test_guard.py", "tests/test_faults.py", "tests/test_lifecycle_reliability.py",
     ],
     "kvobs/guard.py": [
-        "tests/test_mutation_gaps_transfer.py", "tests/test_guard.py", "tests/test_async.py",
-        "tests/test_lifecycle_defects.py", "tests/test_batches.py", "tests/test_faults.py",
-        "tests/test_integrity_wiring.py", "tests/test_validation.py",
+        "tests/test_guard.py", "tests/test_async.py", "tests/test_faults.py", "tests/test_lifecycle_reliability.py",
+        "tests/test_batches.py", "tests/test_integrity_wiring.py", "tests/test_validation.py",
     ],
     "kvobs/active.py,kvobs/route.py": [
-        "tests/test_mutation_gaps_transfer.py", "tests/test_guard.py", "tests/test_lifecycle_defects.py",
-        "tests/test_async.py", "tests/test_batches.py", "tests/test_integrity_wiring.py",
+        "tests/test_guard.py", "tests/test_faults.py", "tests/test_lifecycle_reliability.py", "tests/test_async.py",
+        "tests/test_batches.py", "tests/test_integrity_wiring.py",
     ],
     "kvobs/signals": [
         "tests/test_signals.py", "tests/test_signals_bounds.py", "tests/test_signals_step_aligned.py",

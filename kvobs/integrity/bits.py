@@ -73,8 +73,12 @@ def lane_test(bits: NonFiniteBits) -> tuple[int, int, int, int, int]:
     lanes = 8 // bits.width
     top = 1 << (8 * bits.width - 1)
     if bits.mask == top - 1 and bits.flip == 0:
-        ones, low, keep = bits.bad_min, bits.bad_min & -bits.bad_min, top
+        ones = bits.bad_min
+        low = bits.bad_min & -bits.bad_min
+        keep = top
     else:
-        ones, low, keep = top - 1, 1, 0
+        ones = top - 1
+        low = 1
+        keep = 0
     spread = sum(1 << (8 * bits.width * i) for i in range(lanes))  # 0x0001000100010001 for 2-byte lanes
     return bits.flip * spread, ones * spread, low * spread, keep * spread, top * spread

@@ -83,7 +83,11 @@ def _lane_test(wide, test, acc):  # type: ignore[no-untyped-def]
     """acc | the lane test of every 64-bit word of `wide` (see `kvobs.integrity.bits.LaneTest`).
 
     The common formats (no XOR, sign ignored) take the 3-operation loop."""
-    xor, ones, low, keep, top = test[0], test[1], test[2], test[3], test[4]
+    xor = test[0]
+    ones = test[1]
+    low = test[2]
+    keep = test[3]
+    top = test[4]
     if xor == 0 and keep == top:
         for i in range(wide.shape[0]):
             acc |= (wide[i] & ones) + low
@@ -101,14 +105,19 @@ def _run_is_bad(words, start, size, rule, top, acc):  # type: ignore[no-untyped-
     if acc & top:
         return True
     whole = size // (8 // words.itemsize) * (8 // words.itemsize)
-    mask, flip, bad_min = rule[0], rule[1], rule[2]
+    mask = rule[0]
+    flip = rule[1]
+    bad_min = rule[2]
     return whole < size and _max_key(words[start + whole : start + size], mask, flip, mask ^ mask) >= bad_min
 
 
 @_jit
 def _verdicts(words, ids, block_stride, segments, length, first, count, rule, flags):  # type: ignore[no-untyped-def]
     """Read each piece of a bad run value by value: flags[block] = max(itself, 2 for NaN, 1 for Inf)."""
-    mask, flip, bad_min, nan_min = rule[0], rule[1], rule[2], rule[3]
+    mask = rule[0]
+    flip = rule[1]
+    bad_min = rule[2]
+    nan_min = rule[3]
     for piece in range(first, first + count):
         segment, j = divmod(piece, ids.shape[0])
         start = segments[segment] + ids[j] * block_stride
@@ -162,7 +171,8 @@ def _check_chunk(words, ids, block_stride, segments, length, rule, test, flags, 
                           counts[r + 1] * length)
         elif after >= 0:
             _prefetch_run(words, after, length)
-        start, size = segments[firsts[r] // n] + ids[firsts[r] % n] * block_stride, counts[r] * length
+        start = segments[firsts[r] // n] + ids[firsts[r] % n] * block_stride
+        size = counts[r] * length
         wide = words[start : start + size // per_word * per_word].view(np.uint64)
         if _run_is_bad(words, start, size, rule, top, _lane_test(wide, test, top ^ top)):
             _verdicts(words, ids, block_stride, segments, length, firsts[r], counts[r], rule, flags)
@@ -215,8 +225,8 @@ def ready(word: type) -> Callable[..., int]:
     """block_flags for one word width, compiled (or loaded from the disk cache) once: at validation, not
     inside the first check. Thread-safe (numba compiles under its own lock; a repeat is a no-op).
 
-    Returned is the compiled entry point itself, which skips numba's per-call type dispatch (about 15 us of
-    a check that starts with cold CPU caches). It trusts its arguments: call it only with arrays of exactly
+    Returned is the compiled entry point itself, which skips numba's per-call type dispatch (a large part of a
+    small check's time, see docs/benchmarks.md). It trusts its arguments: call it only with arrays of exactly
     the compiled types (`kernel.plan` builds them), never with a caller's own arrays.
     """
     entry = _entries.get(word)
@@ -227,13 +237,19 @@ def ready(word: type) -> Callable[..., int]:
         return numba.types.Array(numba.from_dtype(np.dtype(dtype)), 1, "C", readonly=readonly)
 
     count = numba.types.int64
-    ints, flags = array(np.int64, readonly=False), array(np.uint8, readonly=False)  # ints: ids and counter
+    ints = array(np.int64, readonly=False)  # ints: ids and counter
+    flags = array(np.uint8, readonly=False)
     entry = block_flags.compile(
         (array(word), ints, count, array(np.int64), count, array(word), array(np.uint64), flags, count, ints)
     )
     # A first call pages the compiled code in: keep that out of the first check too.
-    sample, segments, rule, test = np.zeros(1, word), np.zeros(1, np.int64), np.ones(4, word), np.zeros(5, np.uint64)
-    one_id, one_flag, counter = np.zeros(1, np.int64), np.zeros(1, np.uint8), np.zeros(1, np.int64)
+    sample = np.zeros(1, word)
+    segments = np.zeros(1, np.int64)
+    rule = np.ones(4, word)
+    test = np.zeros(5, np.uint64)
+    one_id = np.zeros(1, np.int64)
+    one_flag = np.zeros(1, np.uint8)
+    counter = np.zeros(1, np.int64)
     entry(sample, one_id, 1, segments, 1, rule, test, one_flag, 1, counter)
     _entries[word] = entry
     return entry

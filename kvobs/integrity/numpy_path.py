@@ -28,7 +28,8 @@ def bad_blocks(arrays: Sequence[np.ndarray], ids: list[int], block_dim: int) -> 
     for array in arrays:
         bits = non_finite_bits(array.dtype)
         words = _WORDS[bits.width]
-        mask, flip = words(bits.mask), words(bits.flip)
+        mask = words(bits.mask)
+        flip = words(bits.flip)
         blocks = np.moveaxis(array, block_dim % array.ndim, 0)
         per_chunk = max(1, CHUNK_ELEMENTS // (array.size // blocks.shape[0]))
         for start, length in runs(ids):

@@ -13,9 +13,9 @@ A share is claimed with a lock that the pool thread holds while it reads: the ca
 chunks, takes each lock back (no pool thread began that share: it will skip it) or waits on it (one is
 reading its last chunk). Nothing is allocated per check beyond that lock and the flags.
 
-The pool is a few daemon threads on one `queue.SimpleQueue`: handing them a share costs about 25 us where
-`ThreadPoolExecutor.submit` cost about 110 us (measured on 2 vCPUs, workers parked), time the caller's own
-share waits for. It is rebuilt in a forked child (its threads do not survive a fork).
+The pool is a few daemon threads on one `queue.SimpleQueue`, not a `ThreadPoolExecutor`: handing a share
+over is time the caller's own share waits for, and a bare queue hands it over several times faster (see
+docs/benchmarks.md). It is rebuilt in a forked child (its threads do not survive a fork).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from kvobs.forks import in_forked_child
 from kvobs.integrity.arrays import installed_torch
 from kvobs.integrity.kernel import KernelPlan
 
@@ -104,7 +105,7 @@ def _start_workers(wanted: int) -> None:
     """Start pool threads until `wanted` (at most `pool_size()`) exist."""
     global _started
     if _started >= wanted:
-        return  # the common case, without the lock or os.cpu_count() (a file read: ~80 us on a cold VM)
+        return  # the common case: neither the lock nor os.cpu_count(), which reads a file
     with _pool_lock:
         while _started < min(wanted, pool_size()):
             threading.Thread(target=_work, args=(_jobs,), name=f"kvobs-integrity-{_started}", daemon=True).start()
@@ -113,7 +114,9 @@ def _start_workers(wanted: int) -> None:
 
 def _forget_pool_in_child() -> None:
     global _jobs, _started, _pool_lock
-    _jobs, _started, _pool_lock = queue.SimpleQueue(), 0, threading.Lock()
+    _jobs = queue.SimpleQueue()
+    _started = 0
+    _pool_lock = threading.Lock()
 
 
-os.register_at_fork(after_in_child=_forget_pool_in_child)
+in_forked_child(_forget_pool_in_child)

@@ -17,25 +17,14 @@ class BlockAllocator:
     """Thread-safe free list over `num_blocks` ids. It guards its own list only, never the block contents."""
 
     def __init__(self, num_blocks: int) -> None:
-        self.num_blocks = num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out 0, 1, 2, ... first
         self._lock = threading.Lock()
-        self.allocations = 0
-        self.reuses = 0
-        self._ever_used: set[int] = set()
 
     def allocate(self, n: int) -> list[int]:
         with self._lock:
             if n > len(self._free):
                 raise OutOfBlocks(f"need {n} blocks, {len(self._free)} free")
-            ids = [self._free.pop() for _ in range(n)]
-            self.allocations += n
-            for b in ids:
-                if b in self._ever_used:
-                    self.reuses += 1
-                else:
-                    self._ever_used.add(b)
-            return ids
+            return [self._free.pop() for _ in range(n)]
 
     def free(self, ids: list[int]) -> None:
         """Return blocks; the last freed is the first handed out again."""

@@ -25,9 +25,7 @@ class PagedKVCache:
         head_dim: int = 32,
         dtype: torch.dtype = torch.float16,
     ) -> None:
-        self.num_blocks = num_blocks
         self.block_shape = (block_size, heads, head_dim)
-        self.block_size = block_size
         self.dtype = dtype
         self.data = torch.zeros((num_blocks, *self.block_shape), dtype=dtype)
         self.block_bytes = self.data[0].numel() * self.data.element_size()
@@ -48,12 +46,6 @@ class PagedKVCache:
         if context_ids:
             ctx = self.data[context_ids].float().mean()
             values = values + (ctx * 0.0).to(self.dtype)
-        self.data[block_id].copy_(values)
-
-    def read_block(self, block_id: int) -> torch.Tensor:
-        return self.data[block_id].clone()
-
-    def write_block(self, block_id: int, values: torch.Tensor) -> None:
         self.data[block_id].copy_(values)
 
 

@@ -98,7 +98,10 @@ class SimEngine:
 
     def _build_components(self) -> dict[str, Component]:
         """Every thread's component by thread name, wired: who hands what to whom."""
-        c, stop, stats, storage = self.config, self._stop, self.stats, self.storage
+        c = self.config
+        stop = self._stop
+        stats = self.stats
+        storage = self.storage
         allocator = BlockAllocator(c.num_blocks)
         progress = LayerProgress()
         ended: queue.Queue[SendEnded] = queue.Queue()

@@ -132,7 +132,6 @@ class ForwardPass:
         if task.failed:
             req.prefetch = None
             req.computed = 0
-            req.recomputes += 1
             return True
         if req.prefix_free:
             return True

@@ -12,14 +12,12 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from kvobs import __version__
 from kvobs import semconv as sc
 from kvobs.sim.runs import RUNS, RunSpec
 from kvobs.sim.targets import targets
-from kvobs import __version__
 
-# 3: runs unguarded | global_lock | block_lock (was unguarded | guarded); `<run>_clean` also requires 0 stale
-#    blocks; `targets`. 2: lock waits are null where nothing was measured (1 reported interpolated noise).
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 3  # what each version changed: docs/demo.md
 
 # The fields every run carries, in table order: (key, table label, type).
 RUN_FIELDS: tuple[tuple[str, str, type], ...] = (
@@ -93,7 +91,8 @@ def histogram_quantile(q: float, buckets: Iterable[tuple[float, float]]) -> floa
         return None
     total = pairs[-1][1]
     rank = q * total
-    lower, below = 0.0, 0.0
+    lower = 0.0
+    below = 0.0
     for upper, count in pairs:
         if count >= rank:
             if math.isinf(upper):
@@ -101,7 +100,8 @@ def histogram_quantile(q: float, buckets: Iterable[tuple[float, float]]) -> floa
             if count == below:
                 return upper
             return lower + (upper - lower) * (rank - below) / (count - below)
-        lower, below = upper, count
+        lower = upper
+        below = count
     return lower
 
 
@@ -143,7 +143,9 @@ def percentile(values: Iterable[float], q: float) -> float | None:
 
 def run_summary(engine: Any) -> dict[str, Any]:
     """The summary dict of one finished SimEngine run (see RUN_FIELDS and EXTRA_FIELDS)."""
-    stats, run, name = engine.stats, engine.config.run, engine.config.engine
+    stats = engine.stats
+    run = engine.config.run
+    name = engine.config.engine
     counters = stats.counters()
     buckets = lock_wait_buckets(engine.registry, name) if run.takes_lock else []
     waits = list(stats.forward_lock_waits) if run.takes_lock else []
@@ -273,7 +275,8 @@ def _target_lines(judged: Mapping[str, Mapping[str, Any]]) -> list[str]:
     """One line per target: the two values, the score against what is required, met or missed."""
     lines = []
     for name, t in judged.items():
-        field, kind = t["field"], "reduction" if "reduction" in t else "ratio"
+        field = t["field"]
+        kind = "reduction" if "reduction" in t else "ratio"
         values = " vs ".join(_cell(t[k], float, field) for k in ("run_value", "baseline_value"))
         score = "-" if t[kind] is None else f"{t[kind]:.0%}"
         need = f"{kind} >= {t['required']:.0%}"

@@ -1,8 +1,8 @@
 """The storage cache (a Mooncake store, a file store...): block-sized entries by key, least recently used out.
 
-Entries are immutable tensors: `put` stores a copy, `get` returns the stored tensor, `poison` replaces one
-with NaN (the `--fault nan` injection). The store counts, as ground truth independent of kvobs, how many
-entries it received that held NaN/Inf.
+Entries are immutable tensors: `put` stores the tensor it is given (the write-back hands it a copy), `get`
+returns the stored tensor, `poison` replaces one with NaN (the `--fault nan` injection). What reached the
+store holding NaN/Inf is counted by the write-back into `RunStats`, as ground truth independent of kvobs.
 """
 
 from __future__ import annotations
@@ -20,27 +20,16 @@ class StorageCache:
         self.capacity = capacity
         self._entries: OrderedDict[str, torch.Tensor] = OrderedDict()
         self._lock = threading.Lock()
-        self.puts = 0
-        self.nan_puts = 0
-        self.evictions = 0
-        self.poisoned = 0
-
-    def __len__(self) -> int:
-        return len(self._entries)
 
     def __contains__(self, key: str) -> bool:
         return key in self._entries
 
     def put(self, key: str, block: torch.Tensor) -> None:
-        bad = not bool(torch.isfinite(block).all())
         with self._lock:
             self._entries[key] = block
             self._entries.move_to_end(key)
-            self.puts += 1
-            self.nan_puts += bad
             while len(self._entries) > self.capacity:
                 self._entries.popitem(last=False)
-                self.evictions += 1
 
     def get(self, key: str) -> torch.Tensor | None:
         with self._lock:
@@ -78,5 +67,4 @@ class StorageCache:
             if block is None:
                 return False
             self._entries[key] = torch.full_like(block, float("nan"))
-            self.poisoned += 1
             return True

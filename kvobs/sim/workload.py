@@ -32,7 +32,6 @@ class Request:
     computed: int = 0  # blocks written so far (prefetched ones included)
     prefetch: Any = None  # the PrefetchTask of a prefix hit, until it completed
     prefix_free: bool = False  # the prefix counts as loaded (its prefetch started; with a probe: and released)
-    recomputes: int = 0
 
     @property
     def task_id(self) -> str:

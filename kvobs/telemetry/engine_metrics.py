@@ -74,7 +74,9 @@ class EngineMetrics:
 
     def _shared(self, kind: type[Any], role: str, name: str) -> Any:
         """The families' recording object of this engine, lock and path or holder `name`."""
-        f, engine, lock_name = self.families, self.engine, self.lock_name
+        f = self.families
+        engine = self.engine
+        lock_name = self.lock_name
         return f.shared((role, engine, lock_name, name), lambda: kind(f, engine, lock_name, name, self.failures))
 
     # -- scrape-time gauges, read from owners held weakly (0 once an owner is gone) -------------------------

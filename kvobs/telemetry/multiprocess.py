@@ -30,6 +30,7 @@ from prometheus_client.utils import floatToGoString
 
 from kvobs import semconv as sc
 from kvobs.errors import MultiprocessDirError, MultiprocessDirFull
+from kvobs.forks import in_forked_child
 from kvobs.telemetry.failures import STAGE_METRICS, TelemetryFailures
 
 
@@ -197,7 +198,8 @@ class FileSpace:
         for prefix, nbytes in self._series_bytes.items():
             sizes[prefix] = max(sizes.get(prefix, 0), _grown(0, _USED.size * 2 + nbytes))
         created: list[str] = []
-        path, size = "", 0
+        path = ""
+        size = 0
         try:
             for prefix, size in sizes.items():
                 path = _file_path(prefix, self.pid)
@@ -226,7 +228,7 @@ class FileSpace:
 
 
 FILE_SPACE = FileSpace()
-os.register_at_fork(after_in_child=FILE_SPACE._after_fork_in_child)
+in_forked_child(FILE_SPACE._after_fork_in_child)
 
 
 def _grown(size: int, needed: int) -> int:

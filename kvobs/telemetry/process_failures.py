@@ -8,7 +8,6 @@ registry holding kvobs's families (in multiprocess mode, through prometheus_clie
 
 from __future__ import annotations
 
-import os
 import threading
 import weakref
 from typing import Any
@@ -16,6 +15,7 @@ from typing import Any
 from prometheus_client import Counter
 
 from kvobs import semconv as sc
+from kvobs.forks import in_forked_child
 from kvobs.telemetry.accumulators import CounterCell, CounterFamily
 from kvobs.telemetry.failures import STAGE_EXPORT, STAGE_METRICS, TELEMETRY_ERRORS_HELP, TelemetryFailures
 from kvobs.telemetry.multiprocess import FILE_SPACE, ReservedMetric, check_multiprocess_dir, multiprocess_enabled
@@ -41,7 +41,8 @@ class _ProcessFailures:
                 self.reporter = TelemetryFailures("", self.counters)
                 if multiprocess_enabled():
                     FILE_SPACE.count_in(self.counters[STAGE_METRICS])
-            reporter, families = self.reporter, list(self.families)
+            reporter = self.reporter
+            families = list(self.families)
         for family in families:
             self.show_on(family)
         return reporter
@@ -74,7 +75,7 @@ def _new_counters() -> dict[str, Any]:
 
 
 _PROCESS = _ProcessFailures()
-os.register_at_fork(after_in_child=_PROCESS.after_fork_in_child)
+in_forked_child(_PROCESS.after_fork_in_child)
 
 
 def process_failures() -> TelemetryFailures:

@@ -9,13 +9,13 @@ collected with its readers, and its series are set to 0 on the next round.
 from __future__ import annotations
 
 import itertools
-import os
 import threading
 import time
 import weakref
 from collections import deque
 from typing import Any
 
+from kvobs.forks import in_forked_child
 from kvobs.telemetry.accumulators import GaugeCell
 from kvobs.telemetry.failures import STAGE_METRICS, Failed
 
@@ -40,7 +40,7 @@ class Refresher:
         with cls._instance_lock:
             if cls._instance is None:
                 cls._instance = cls()
-                os.register_at_fork(after_in_child=_restart_in_child)
+                in_forked_child(_restart_in_child)
             return cls._instance
 
     def watch(self, cell: GaugeCell, child: Any, failed: Failed) -> None:

@@ -15,6 +15,8 @@ import random
 from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
 from opentelemetry.trace import INVALID_SPAN_ID, INVALID_TRACE_ID
 
+from kvobs.forks import in_forked_child
+
 __all__ = ["UNIQUE_IDS", "ProcessUniqueIdGenerator", "draws_from_global_random"]
 
 _SEED_BYTES = 32
@@ -27,7 +29,7 @@ def _reseed_in_child() -> None:
     _source.seed(os.urandom(_SEED_BYTES))
 
 
-os.register_at_fork(after_in_child=_reseed_in_child)
+in_forked_child(_reseed_in_child)
 
 
 class ProcessUniqueIdGenerator(IdGenerator):

@@ -129,7 +129,8 @@ def export_timeout(timeout: float | None = None) -> float:
     if value is None:
         for variable in (_ENV_TRACES_TIMEOUT, _ENV_TIMEOUT):
             if os.environ.get(variable):
-                source, value = variable, os.environ[variable]
+                source = variable
+                value = os.environ[variable]
                 break
         else:
             return DEFAULT_EXPORT_TIMEOUT_S

@@ -6,9 +6,9 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
+from support import wait_until
 
 from fastdeploy_shaped import cache_messager
 from fastdeploy_shaped.cache_messager import CacheMessagerV1, runner_signal
@@ -79,14 +79,6 @@ class PrefillNode:
 
     def decode_cache(self, rank: int = 0) -> list[np.ndarray]:
         return [view(t) for t in DECODE_CACHES[(rank, DECODE_GPU)][0]]
-
-
-def wait_until(condition: Any, within: float = 60.0) -> None:
-    deadline = time.monotonic() + within
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not reached")
-        time.sleep(0.002)
 
 
 def prefill_node(n_ranks: int = 1, port: int = 9001) -> PrefillNode:
