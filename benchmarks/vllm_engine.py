@@ -140,7 +140,7 @@ def serve(wrapped: bool, model: str) -> None:
 class EngineProcess:
     def __init__(self, wrapped: bool, model: str) -> None:
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-               "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": str(REPO / "tests"),
+               "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}",
                "VLLM_LOGGING_LEVEL": "WARNING"}
         self.process = subprocess.Popen(
             [sys.executable, __file__, "--serve", "wrapped" if wrapped else "plain", "--model", model],

@@ -62,7 +62,7 @@ def engine_env(**extra: str) -> dict[str, str]:
     """The environment of an engine process on these CPU-only machines."""
     env = {key: value for key, value in os.environ.items() if not key.startswith(("OTEL_", "PROMETHEUS_", "KVOBS_"))}
     env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_ENABLE_V1_MULTIPROCESSING="0",
-               VLLM_LOGGING_LEVEL="INFO", PYTHONPATH=f"{REPO / 'tests'}", TOKENIZERS_PARALLELISM="false",
+               VLLM_LOGGING_LEVEL="INFO", PYTHONPATH=f"{REPO}{os.pathsep}{REPO / 'tests'}", TOKENIZERS_PARALLELISM="false",
                VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
     env.update(extra)
     return env
