@@ -40,6 +40,7 @@ class WorkerSide:
         self._sync_failures: list[LoadFailure] = []
         self._receiving: list[Any] = []  # this step's metadata parts that name receives
         self._syncing: list[Any] = []  # ... and those of connectors that copy during the pass
+        self.loads_in_step = False  # whether `loading` has anything to begin this step
         self._trace_contexts: Mapping[str, Any] = {}
         self._load_errors: set[int] = set()
 
@@ -87,10 +88,13 @@ class WorkerSide:
                 syncing.append(part)
         self._receiving = receiving
         self._syncing = syncing
+        self.loads_in_step = bool(receiving or syncing)
 
     def cleared(self) -> None:
+        """After the wrapped `clear_connector_metadata` (cannot fail: no observation to guard)."""
         self._receiving = []
         self._syncing = []
+        self.loads_in_step = False
         self._trace_contexts = {}
         for _, watch in self.watches:
             watch.metadata = None
@@ -103,8 +107,8 @@ class WorkerSide:
                 watch.note_stores(part)
 
     def loading(self) -> None:
-        """Before the wrapped `start_load_kv`: the receives this step hands over begin, and the loads of
-        connectors that copy in `start_load_kv` itself."""
+        """Before the wrapped `start_load_kv`, when `loads_in_step`: the receives this step hands over begin,
+        and the loads of connectors that copy in `start_load_kv` itself."""
         for part in self._receiving:
             self.receives.start(part, self._trace_contexts)
         if self._syncing:
@@ -120,9 +124,8 @@ class WorkerSide:
             self._sync_failures.extend(self.sync.saving(self._syncing))
 
     def saved(self) -> None:
-        """After the wrapped `wait_for_save`."""
-        if self.sync.stores_open:
-            self.sync.saved()
+        """After the wrapped `wait_for_save`, when `sync.stores_open`."""
+        self.sync.saved()
 
     def results(self, results: Any) -> Any:
         """After the wrapped `get_transfer_results`: end what it reports; corrupt loads told to vLLM."""
@@ -140,10 +143,12 @@ class WorkerSide:
         self.transfers.raise_pending()
         return finished
 
+    @property
+    def load_errors_found(self) -> bool:
+        return bool(self._load_errors)
+
     def load_errors(self, reported: set[int]) -> set[int]:
         """The wrapped connector's load errors, and the corrupt blocks found this step."""
-        if not self._load_errors:
-            return reported
         errors, self._load_errors = self._load_errors, set()
         return set(reported) | errors
 
