@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvobs import semconv as sc
 from kvobs.errors import CorruptKVError, KVObsError, TransferRejected
 from kvobs.policy import IntegrityPolicy
 
@@ -57,6 +58,7 @@ class _Marker:
 
 
 CORRUPT = _Marker("<kvobs: corrupt blocks>")
+_LOADS = (sc.PATH_PREFETCH, sc.PATH_RECEIVE)  # paths whose destinations are vLLM's KV blocks
 
 
 def policy_for(mode: str) -> Any:
@@ -144,8 +146,23 @@ class Transfers:
             return self._complete(path, key)
         bad: list[int] = []
         for part in self._split.pop((path, key), (key,)):
-            bad.extend(self._complete(path, part))
+            found = self._complete(path, part)
+            if found and path in _LOADS:
+                self._scrub(part[1], found)
+            bad.extend(found)
         return tuple(bad)
+
+    def _scrub(self, group: int, block_ids: tuple[int, ...]) -> None:
+        """Zero a corrupt load's blocks in their KV group's caches. With several groups vLLM takes the load's
+        failure per request: it frees the request's blocks as they are and computes it from the start, and
+        the next request given one of them reads its unwritten slots too (attention masks them, but a masked
+        NaN still makes the scores NaN). Zeros are inert there, so recomputation gives the clean tokens."""
+        try:
+            for view in self.group_caches[group]:  # type: ignore[index]  (split transfers have group caches)
+                view[list(block_ids)] = 0
+        except Exception as exc:
+            self.obs.logger.exception("kvobs.vllm: could not zero the blocks of a corrupt load",
+                                      block_ids=list(block_ids[:8]), error=repr(exc))
 
     def _complete(self, path: str, key: Any) -> tuple[int, ...]:
         t = self.obs.open_transfer(path, key)
