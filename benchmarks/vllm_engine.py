@@ -12,7 +12,8 @@ tokens/s over plain tokens/s, and the rounds' median and spread (min..max) are p
 Inside the wrapped engine, kvobs's own time is measured around the integration's per-transfer calls
 (`Transfers.begin`, `complete`: validation, the lifecycle, telemetry and the NaN/Inf check) and its
 per-step calls (the wrapper's worker-side observation around bind, load, save and finish), in CPU time of
-the engine's thread (thread_time_ns); the check's own time is measured around the cache check, for its GB/s.
+the engine's thread (thread_time_ns); inside the per-transfer calls, the general lifecycle's share
+(`KVObserver.begin`, `Transfer.complete`) and the check's (measured around the cache check, for its GB/s).
 """
 
 from __future__ import annotations
@@ -83,13 +84,20 @@ def install_timers() -> Timers:
     """Time kvobs's per-transfer and per-step code in this (wrapped) engine process."""
     from kvobs.integrations.vllm import transfers, worker
 
+    from kvobs import observer, transfer
+
     timers = Timers()
     for name in ("begin", "complete"):
         timers.wrap(transfers.Transfers, name, name)
-    for name in ("bound", "cleared", "loading", "saving", "saved", "results", "finished", "load_errors"):
-        timers.wrap(worker.WorkerSide, name, "step")
+    timers.wrap(observer.KVObserver, "begin", "lifecycle")
+    timers.wrap(transfer.Transfer, "complete", "lifecycle")
+    for name in STEP_CALLS:
+        timers.wrap(worker.WorkerSide, name, f"step:{name}")
     install_check_timer(timers)
     return timers
+
+
+STEP_CALLS = ("bound", "cleared", "loading", "saving", "saved", "results", "finished", "load_errors")
 
 
 def install_check_timer(timers: Timers) -> None:
@@ -114,8 +122,10 @@ def install_check_timer(timers: Timers) -> None:
 def serve(wrapped: bool, model: str) -> None:
     """The engine process: JSON commands on stdin, answers on stdout behind driver.ANSWER_PREFIX."""
     timers = install_timers() if wrapped else None
+    import kvobs
+
     llm = driver.build_engine({"model": model, "connector": connector(wrapped)})
-    print(driver.ANSWER_PREFIX + json.dumps({"ready": True}), flush=True)
+    print(driver.ANSWER_PREFIX + json.dumps({"ready": True, "kvobs": kvobs.__file__}), flush=True)
     for line in sys.stdin:
         command = json.loads(line)
         if command["op"] == "round":
@@ -140,12 +150,12 @@ def serve(wrapped: bool, model: str) -> None:
 class EngineProcess:
     def __init__(self, wrapped: bool, model: str) -> None:
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-               "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": str(REPO / "tests"),
+               "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}",
                "VLLM_LOGGING_LEVEL": "WARNING"}
         self.process = subprocess.Popen(
             [sys.executable, __file__, "--serve", "wrapped" if wrapped else "plain", "--model", model],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
-        self.read()
+        self.kvobs_file = self.read()["kvobs"]
 
     def read(self) -> dict[str, Any]:
         assert self.process.stdout is not None
@@ -203,6 +213,7 @@ def main() -> None:
     finally:
         plain.close()
         wrapped.close()
+    print(f"kvobs imported from {wrapped.kvobs_file}")
     print_report(ratios, timers, args)
 
 
@@ -211,14 +222,23 @@ def print_report(ratios: list[float], timers: dict[str, Any], args: Any) -> None
     print(f"rounds={args.rounds} prompts/round={args.prompts} max_tokens={args.max_tokens}")
     for label, what in (("begin", "Transfers.begin (validation, lifecycle, telemetry; a store's source check)"),
                         ("complete", "Transfers.complete (a load's destination check, the end's telemetry)"),
-                        ("check", "  the NaN/Inf check inside them"),
-                        ("step", "per-step calls (the wrapper's worker-side observation)")):
+                        ("lifecycle", "  KVObserver.begin and Transfer.complete inside them"),
+                        ("check", "  the NaN/Inf check inside those"),
+                        *((f"step:{name}", f"per-step {name}") for name in STEP_CALLS)):
         values = sorted(ns.get(label, [])) or [0]
         print(f"kvobs {what}: {len(values)} calls, median {statistics.median(values) / 1000:.1f} us, "
               f"p90 {values[int(0.9 * (len(values) - 1))] / 1000:.1f} us")
     begun = len(ns.get("begin", [])) or 1
-    spent = sum(ns.get("begin", [])) + sum(ns.get("complete", [])) - sum(ns.get("check", []))
-    print(f"kvobs per transfer without the check (mean of begin + complete - check): {spent / begun / 1000:.1f} us")
+    ours = sum(ns.get("begin", [])) + sum(ns.get("complete", []))
+    lifecycle = sum(ns.get("lifecycle", []))
+    check = sum(ns.get("check", []))
+    print(f"kvobs per transfer without the check (mean of begin + complete - check): {(ours - check) / begun / 1000:.1f} us"
+          f" = lifecycle (Transfer, telemetry) {(lifecycle - check) / begun / 1000:.1f} us"
+          f" + the vLLM integration {(ours - lifecycle) / begun / 1000:.1f} us")
+    steps = len(ns.get("step:bound", [])) or 1
+    per_step = sum(sum(ns.get(f"step:{name}", [])) for name in STEP_CALLS)
+    print(f"kvobs per engine step (the wrapper's worker-side observation, all calls, transfers included): "
+          f"{per_step / steps / 1000:.1f} us over {steps} steps")
     checks = ns.get("check", [])
     if checks:
         print(f"  check speed: {timers['bytes_checked'] / sum(checks):.2f} GB/s over "

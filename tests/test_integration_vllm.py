@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import inspect
 import json
+import os
 import pickle
 import subprocess
 import sys
@@ -40,6 +41,8 @@ from test_integration_vllm_support import (
     wrapper_config,
 )
 from upstream import vllm  # noqa: F401  (the fixture)
+
+from kvobs import semconv as sc
 
 PLAIN = {"kv_connector": "PlainConnector", "kv_connector_module_path": "test_integration_vllm_support",
          "kv_role": "kv_both"}
@@ -393,3 +396,48 @@ def test_a_lookup_covering_a_block_that_loaded_corrupt_is_a_miss(vllm):
     assert side.matched(request, 0, (32, True)) == (32, True)  # h0, h1 loaded clean
     other = types.SimpleNamespace(request_id="r2", block_hashes=[b"h0", b"h1", b"h2"])
     assert side.matched(other, 16, (32, True)) == (0, False)  # any request with that prefix
+
+
+_ENGINE_PROCESS = """
+import os, signal, sys
+from kvobs.integrations.vllm.observers import observer_for
+from kvobs.integrations.vllm.options import read_options
+
+obs = observer_for(read_options({"connector": {"kv_connector": "OffloadingConnector"}}))
+if sys.argv[1] == "dies":
+    obs.begin("prefetch", key=1, block_ids=[1, 2])  # a load in flight when the process is killed
+    from kvobs.telemetry.refresher import Refresher
+    Refresher.shared().refresh()  # its scrape-time gauges written, as every half second
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _server_scrape(directory: Path) -> str:
+    """The scrape vLLM's API server answers in multiprocess mode: a fresh registry with prometheus_client's
+    MultiProcessCollector over the directory (vllm.v1.metrics.prometheus.get_prometheus_registry)."""
+    code = ("from prometheus_client import CollectorRegistry, generate_latest, multiprocess\n"
+            "registry = CollectorRegistry()\nmultiprocess.MultiProcessCollector(registry)\n"
+            "print(generate_latest(registry).decode())")
+    return subprocess.run([sys.executable, "-c", code], env=_multiprocess_env(directory), capture_output=True,
+                          text=True, check=True).stdout
+
+
+def _multiprocess_env(directory: Path) -> dict[str, str]:
+    return {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(directory)}
+
+
+def test_a_killed_engine_process_leaves_no_transfer_in_flight_on_the_servers_metrics_once_an_engine_starts(tmp_path):
+    """vLLM's server scrapes with prometheus_client's MultiProcessCollector, which never drops a dead
+    process's live gauges: the next engine process's connector does, when it builds its observer."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def in_flight() -> float:
+        return sum(sample.value for family in text_string_to_metric_families(_server_scrape(tmp_path))
+                   for sample in family.samples
+                   if sample.name in (sc.TRANSFERS_IN_FLIGHT, sc.TRANSFER_OLDEST_OPEN_AGE_SECONDS))
+
+    killed = subprocess.run([sys.executable, "-c", _ENGINE_PROCESS, "dies"], env=_multiprocess_env(tmp_path))
+    assert killed.returncode == -9
+    assert in_flight() > 0  # the dead process's load, still "in flight"
+    subprocess.run([sys.executable, "-c", _ENGINE_PROCESS, "starts"], env=_multiprocess_env(tmp_path), check=True)
+    assert in_flight() == 0

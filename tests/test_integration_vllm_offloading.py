@@ -17,6 +17,7 @@ from test_integration_vllm_support import (
     as_bytes,
     default_engine_observer,  # noqa: F401  (autouse fixture)
     load_job,
+    offloading_metadata,
     store_job,
     wait_until,
 )
@@ -241,3 +242,30 @@ def test_a_global_lock_cannot_hold_two_open_transfers(vllm: upstream.Upstream) -
                                 44: load_job(vllm, "req-44", host=[1], device=[2])})
     finally:
         rig.close()
+
+
+def test_an_offloading_connectors_steps_ask_its_metadata_nothing_but_its_jobs(rig: Rig, vllm: upstream.Upstream) -> None:
+    """The wrapper's per-step work for an offloading connector is its watch's only: the receive and
+    synchronous-connector watches (NIXL's `reqs_to_recv`, the shared-storage `requests`) never look at it."""
+    base = type(offloading_metadata(vllm))
+    asked: list[str] = []
+
+    class Recording(base):  # type: ignore[misc, valid-type]
+        def __getattribute__(self, name: str) -> object:
+            if not name.startswith("__"):
+                asked.append(name)
+            return super().__getattribute__(name)
+
+    worker = rig.register()
+    for host in worker.host:
+        host[4] = as_bytes(3.0)
+    for load_jobs in ({31: load_job(vllm, "req-31", host=[4], device=[5])}, {}):
+        rig.connector.bind_connector_metadata(Recording(load_jobs=load_jobs, store_jobs={}))
+        rig.connector.start_load_kv(None)
+        rig.connector.wait_for_save()
+        rig.connector.get_transfer_results(set())
+        rig.connector.get_block_ids_with_load_errors()
+        rig.connector.clear_connector_metadata()
+    rig.step()
+    assert rig.results_until(request_id="req-31")["finished_recving"] == {"req-31"}
+    assert set(asked) <= {"load_jobs", "store_jobs"}, sorted(set(asked))

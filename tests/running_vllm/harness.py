@@ -62,24 +62,25 @@ def engine_env(**extra: str) -> dict[str, str]:
     """The environment of an engine process on these CPU-only machines."""
     env = {key: value for key, value in os.environ.items() if not key.startswith(("OTEL_", "PROMETHEUS_", "KVOBS_"))}
     env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_ENABLE_V1_MULTIPROCESSING="0",
-               VLLM_LOGGING_LEVEL="INFO", PYTHONPATH=f"{REPO / 'tests'}", TOKENIZERS_PARALLELISM="false",
+               VLLM_LOGGING_LEVEL="INFO", PYTHONPATH=f"{REPO}{os.pathsep}{REPO / 'tests'}", TOKENIZERS_PARALLELISM="false",
                VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
     env.update(extra)
     return env
 
 
-def tiny_model() -> pathlib.Path:
-    """The tiny Llama's directory, built on first use (into a private folder, then moved into place)."""
+def tiny_model(hybrid: bool = False) -> pathlib.Path:
+    """The tiny Llama's directory, built on first use (into a private folder, then moved into place);
+    `hybrid`: its sliding-window variant, whose two layers vLLM keeps in two KV cache groups."""
     python = vllm_python()
     script = HERE / "tiny_llama.py"
-    target = tiny_llama.cached_dir()
+    target = tiny_llama.cached_dir(hybrid)
     root = target.parent
     if (target / "config.json").is_file():
         return target
     root.mkdir(parents=True, exist_ok=True)
     building = pathlib.Path(tempfile.mkdtemp(dir=root, prefix=".build-"))
     try:
-        subprocess.run([str(python), str(script), str(building)], check=True, env=engine_env(),
+        subprocess.run([str(python), str(script), str(building), *(["--hybrid"] if hybrid else [])], check=True, env=engine_env(),
                        capture_output=True, timeout=300)
         with contextlib.suppress(OSError):  # another process won the race: its copy is the same
             building.rename(target)
@@ -112,8 +113,8 @@ def wrap(child: dict[str, Any], name: str = "KVObsConnector", **kvobs_options: A
 class Engine:
     """One driver process: `call(op, **args)` sends a command and returns its answer; `log` is its output."""
 
-    def __init__(self, connector: dict[str, Any] | None, env: dict[str, str]) -> None:
-        config = {"model": str(tiny_model()), "connector": connector}
+    def __init__(self, connector: dict[str, Any] | None, env: dict[str, str], model: pathlib.Path | None = None) -> None:
+        config = {"model": str(model or tiny_model()), "connector": connector}
         self.log: list[str] = []
         self._answers: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self.process = subprocess.Popen(
@@ -170,9 +171,9 @@ class Engine:
 
 
 @contextlib.contextmanager
-def engine(connector: dict[str, Any] | None, **env: str) -> Iterator[Engine]:
-    """A running engine for the `with` block."""
-    running = Engine(connector, engine_env(**env))
+def engine(connector: dict[str, Any] | None, model: pathlib.Path | None = None, **env: str) -> Iterator[Engine]:
+    """A running engine for the `with` block (on the tiny Llama, or `model`)."""
+    running = Engine(connector, engine_env(**env), model)
     try:
         yield running
     finally:
@@ -268,3 +269,25 @@ def samples(text: str, name: str, **labels: str) -> float:
             if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
                 total += sample.value
     return total
+
+
+_DYING_ENGINE = """
+import os, signal
+import kvobs
+from kvobs.telemetry.refresher import Refresher
+
+obs = kvobs.KVObserver("vllm", lock=None)
+obs.begin("prefetch", key=1, block_ids=[1, 2])
+Refresher.shared().refresh()
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def leave_a_dead_engines_gauges(directory: pathlib.Path) -> None:
+    """Leave in a multiprocess directory what a killed engine process leaves: a load in flight under engine
+    label "vllm" in its live gauges (as a previous run's engine core, killed, leaves them for the next)."""
+    import sys
+
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(directory)}
+    dying = subprocess.run([sys.executable, "-c", _DYING_ENGINE], env=env, capture_output=True, text=True)
+    assert dying.returncode == -signal.SIGKILL, dying.stderr

@@ -52,6 +52,7 @@ def observer_for(options: Options) -> Any:
             obs = _observers[options.engine] = KVObserver(options.engine, lock=None, deadline=options.deadline,
                                                           tracer_provider=_tracer_provider(options))
             _built.add(options.engine)
+            _clear_dead_processes(obs)
         elif options.engine in _built and options.deadline not in (None, obs.deadline):
             raise ValueError(
                 f"KVObsConnector engine={options.engine!r}: this process already observes that engine with "
@@ -68,3 +69,24 @@ def _tracer_provider(options: Options) -> Any:
     from kvobs import configure_tracing
 
     return configure_tracing(set_global=False)
+
+
+def _clear_dead_processes(obs: Any) -> None:
+    """Multiprocess mode: drop the live gauges (transfers in flight, oldest open age) of engine processes that
+    are gone. vLLM's server scrapes the directory with prometheus_client's MultiProcessCollector, which keeps
+    them until someone marks the process dead, and vLLM marks only its own server process: a killed engine
+    core's loads would stay in flight on `/metrics` (and its oldest-open age fire the stuck-transfer alert)
+    for as long as the directory lives, e.g. across a container restart. The next engine process to start
+    clears them."""
+    from kvobs.telemetry.multiprocess import clear_dead_processes, multiprocess_enabled
+
+    if not multiprocess_enabled():
+        return
+    try:
+        dead = clear_dead_processes()
+    except OSError as exc:
+        obs.logger.warning("kvobs.vllm: could not clear the gauges of dead processes", error=repr(exc))
+        return
+    if dead:
+        obs.logger.info("kvobs.vllm: cleared the live gauges of processes that have ended", pids=dead[:8],
+                        count=len(dead))

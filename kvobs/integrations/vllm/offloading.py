@@ -100,7 +100,7 @@ class OffloadingWatch:
             job = (getattr(self.metadata, "load_jobs", None) or {}).get(job_id)
             request_id = None if job is None else job.req_id
             destination = block_ids(dst_spec)
-            stale = bool(self._stale & (_medium_ids(src_spec) or set()))
+            stale = bool(self._stale) and not self._stale.isdisjoint(_medium_ids(src_spec) or ())
             self._loads[job_id] = _Load(request_id, tuple(destination), bool(getattr(job, "sync", False)), stale)
             self.transfers.begin(sc.PATH_PREFETCH, job_id, request_id=request_id, block_ids=destination,
                                  group_sizes=group_sizes(dst_spec))
@@ -111,15 +111,16 @@ class OffloadingWatch:
     def _submit_store(self, original: Callable[..., bool]) -> Callable[..., bool]:
         def submit_store(job_id: int, src_spec: Any, dst_spec: Any, *args: Any, **kwargs: Any) -> bool:
             request_id = self._store_requests.pop(job_id, None)
-            destination = _medium_ids(dst_spec)
             bad = self.transfers.begin(sc.PATH_WRITE_BACK, job_id, request_id=request_id,
                                        block_ids=block_ids(src_spec), group_sizes=group_sizes(src_spec))
+            destination = _medium_ids(dst_spec) if bad or self._stale else None
             if bad and destination is not None:
                 self._skipped.append(job_id)
                 self._skipped_ids.add(job_id)
                 self._stale |= destination
                 return True
-            self._stale -= destination or set()
+            if destination:
+                self._stale -= destination
             return self._submit(sc.PATH_WRITE_BACK, job_id, original, (job_id, src_spec, dst_spec, *args), kwargs)
 
         return submit_store

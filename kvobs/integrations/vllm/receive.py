@@ -54,6 +54,8 @@ class ReceiveWatch:
 
     def finish(self, finished: Any, failed: Any) -> list[LoadFailure]:
         """End the receives vLLM reports; the ones that arrived corrupt, for vLLM to hear about."""
+        if not finished and not failed:
+            return []
         failures = []
         failed = set(failed or ())
         for request_id in set(finished or ()) | failed:

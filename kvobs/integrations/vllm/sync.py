@@ -42,6 +42,14 @@ class SyncWatch:
         self._loads: list[tuple[int, tuple[int, ...]]] = []
         self._stores: list[int] = []
 
+    @property
+    def loads_open(self) -> bool:
+        return bool(self._loads)
+
+    @property
+    def stores_open(self) -> bool:
+        return bool(self._stores)
+
     def loading(self, parts: Iterable[Any]) -> None:
         """Before the wrapped `start_load_kv`: a prefetch per load request of the step."""
         for requests in _requests(parts):

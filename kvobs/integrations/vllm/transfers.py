@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvobs import semconv as sc
 from kvobs.errors import CorruptKVError, TransferRejected
 from kvobs.policy import IntegrityPolicy
 
@@ -33,6 +34,7 @@ class _Marker:
 
 
 CORRUPT = _Marker("<kvobs: corrupt blocks>")
+_LOADS = (sc.PATH_PREFETCH, sc.PATH_RECEIVE)  # paths whose destinations are vLLM's KV blocks
 
 
 def policy_for(mode: str) -> Any:
@@ -47,15 +49,16 @@ def policy_for(mode: str) -> Any:
 class Transfers:
     """The integration's transfers on one observer; `cache` is what checks read (set once caches register).
 
-    One transfer in `every` is checked. The choice is made here, once per transfer: a policy passed as
-    `obs.begin(check=...)` gets a fresh sampler on every call, so its own `every` would check them all.
+    One vLLM copy in `every` is checked, whole: the one sampler draws once per copy, and every KV group's
+    part of a checked copy is checked (a sampler drawn per part, as a sampling policy's would be, checks
+    the same groups every time and others never).
     """
 
     def __init__(self, obs: Any, mode: str, every: int = 1) -> None:
         self.obs = obs
         self.mode = mode
         self._check = policy_for(mode)
-        self._sampler = IntegrityPolicy(every=every).sampler()
+        self._sampler = None if self._check is False else IntegrityPolicy(every=every).sampler()
         self.cache: Any = None
         self.block_bytes: int | None = None  # bytes a block holds across the checked caches, when known
         self.group_caches: list[Any] | None = None  # per KV group, when there are several
@@ -71,15 +74,16 @@ class Transfers:
         With several KV groups (`group_caches` set and `group_sizes` naming them), each group's ids are a
         transfer of their own, under (key, group), checked in that group's layers only: block ids are unique
         only within a group."""
+        check = self._check if self._sampler is not None and self._sampler.should_check() else False
         groups = self._per_group(block_ids, group_sizes)
         if groups is None:
-            return self._begin(path, key, request_id, block_ids, group_sizes, self.cache, self.block_bytes,
+            return self._begin(path, key, check, request_id, block_ids, group_sizes, self.cache, self.block_bytes,
                                trace_context)
         bad: list[int] = []
         keys = []
         for group, ids in groups:
             keys.append((key, group))
-            bad.extend(self._begin(path, (key, group), request_id, ids, None, self.group_caches[group],
+            bad.extend(self._begin(path, (key, group), check, request_id, ids, None, self.group_caches[group],
                                    self.group_block_bytes[group], trace_context))
         self._split[(path, key)] = keys
         return tuple(bad)
@@ -96,13 +100,13 @@ class Transfers:
                 groups.append((group, ids))
         return groups
 
-    def _begin(self, path: str, key: Any, request_id: Any, block_ids: list[int], group_sizes: Any, cache: Any,
-               block_bytes: int | None, trace_context: Any) -> tuple[int, ...]:
+    def _begin(self, path: str, key: Any, check: Any, request_id: Any, block_ids: list[int], group_sizes: Any,
+               cache: Any, block_bytes: int | None, trace_context: Any) -> tuple[int, ...]:
         try:
-            check = self._check if self._check is not False and self._sampler.should_check() else False
-            nbytes = None if block_bytes is None else len(block_ids) * block_bytes
             self.obs.begin(path, check=check, key=key, request_id=request_id, block_ids=block_ids,
-                           group_sizes=group_sizes, cache=cache, nbytes=nbytes, trace_context=trace_context)
+                           group_sizes=group_sizes, cache=cache,
+                           nbytes=None if block_bytes is None else len(block_ids) * block_bytes,
+                           trace_context=trace_context)
         except CorruptKVError as exc:
             if self.mode == "raise":
                 raise
@@ -114,10 +118,27 @@ class Transfers:
     def complete(self, path: str, key: Any) -> tuple[int, ...]:
         """The copy under `key` is done: check a writing transfer's destinations and end it. Returns the bad
         destination ids `report` found, else (); `raise` keeps its error for `raise_pending`."""
+        if not self._split:
+            return self._complete(path, key)
         bad: list[int] = []
         for part in self._split.pop((path, key), (key,)):
-            bad.extend(self._complete(path, part))
+            found = self._complete(path, part)
+            if found and path in _LOADS:
+                self._scrub(part[1], found)
+            bad.extend(found)
         return tuple(bad)
+
+    def _scrub(self, group: int, block_ids: tuple[int, ...]) -> None:
+        """Zero a corrupt load's blocks in their KV group's caches. With several groups vLLM takes the load's
+        failure per request: it frees the request's blocks as they are and computes it from the start, and
+        the next request given one of them reads its unwritten slots too (attention masks them, but a masked
+        NaN still makes the scores NaN). Zeros are inert there, so recomputation gives the clean tokens."""
+        try:
+            for view in self.group_caches[group]:  # type: ignore[index]  (split transfers have group caches)
+                view[list(block_ids)] = 0
+        except Exception as exc:
+            self.obs.logger.exception("kvobs.vllm: could not zero the blocks of a corrupt load",
+                                      block_ids=list(block_ids[:8]), error=repr(exc))
 
     def _complete(self, path: str, key: Any) -> tuple[int, ...]:
         t = self.obs.open_transfer(path, key)

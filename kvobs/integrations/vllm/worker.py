@@ -18,7 +18,7 @@ from typing import Any
 from kvobs.integrations.vllm.caches import checkable_caches
 from kvobs.integrations.vllm.offloading import LoadFailure, OffloadingWatch
 from kvobs.integrations.vllm.receive import ReceiveWatch
-from kvobs.integrations.vllm.sync import SyncWatch
+from kvobs.integrations.vllm.sync import SyncWatch, slot_requests
 from kvobs.integrations.vllm.transfers import Transfers
 from kvobs.integrations.vllm.tree import leaves
 
@@ -38,7 +38,9 @@ class WorkerSide:
         self.receives = ReceiveWatch(transfers)
         self.sync = SyncWatch(transfers, block_size)
         self._sync_failures: list[LoadFailure] = []
-        self._bound: list[tuple[Any, Any]] = []
+        self._receiving: list[Any] = []  # this step's metadata parts that name receives
+        self._syncing: list[Any] = []  # ... and those of connectors that copy during the pass
+        self.loads_in_step = False  # whether `loading` has anything to begin this step
         self._trace_contexts: Mapping[str, Any] = {}
         self._load_errors: set[int] = set()
 
@@ -69,39 +71,60 @@ class WorkerSide:
         self.transfers.group_block_bytes = group_bytes
 
     def bound(self, wrapped: Any, metadata: Any, trace_contexts: Mapping[str, Any]) -> None:
-        """After the wrapped `bind_connector_metadata`: each connector's part of the step's metadata."""
-        self._bound = list(leaves(wrapped, metadata))
+        """After the wrapped `bind_connector_metadata`: each connector's part of the step's metadata, sorted
+        once per step to the watches that can use it. An offloading connector's part goes to its watch only,
+        so a step that moves nothing costs the offloading path no more than handing it over."""
         self._trace_contexts = trace_contexts
-        for leaf, part in self._bound:
+        receiving = []
+        syncing = []
+        for leaf, part in leaves(wrapped, metadata):
             watch = self._watch(leaf)
             if watch is not None:
                 watch.metadata = part
+                continue
+            if isinstance(getattr(part, "reqs_to_recv", None), Mapping):
+                receiving.append(part)
+            if slot_requests(part):
+                syncing.append(part)
+        self._receiving = receiving
+        self._syncing = syncing
+        self.loads_in_step = bool(receiving or syncing)
 
     def cleared(self) -> None:
-        self._bound = []
+        """After the wrapped `clear_connector_metadata` (cannot fail: no observation to guard)."""
+        self._receiving = []
+        self._syncing = []
+        self.loads_in_step = False
         self._trace_contexts = {}
         for _, watch in self.watches:
             watch.metadata = None
 
     def preempting(self, wrapped: Any, metadata: Any) -> None:
         """Before the wrapped `handle_preemptions`, which takes the stores it flushes out of `store_jobs`."""
-        self._note_stores(leaves(wrapped, metadata))
+        for leaf, part in leaves(wrapped, metadata):
+            watch = self._watch(leaf)
+            if watch is not None:
+                watch.note_stores(part)
 
     def loading(self) -> None:
-        """Before the wrapped `start_load_kv`: the receives this step hands over begin, and the loads of
-        connectors that copy in `start_load_kv` itself."""
-        for _, part in self._bound:
+        """Before the wrapped `start_load_kv`, when `loads_in_step`: the receives this step hands over begin,
+        and the loads of connectors that copy in `start_load_kv` itself."""
+        for part in self._receiving:
             self.receives.start(part, self._trace_contexts)
-        self.sync.loading(part for _, part in self._bound)
+        if self._syncing:
+            self.sync.loading(self._syncing)
 
     def saving(self) -> None:
         """Before the wrapped `wait_for_save`, which queues this step's stores for the next step (offloading)
         or ends the ones written during the pass (synchronous connectors, whose loads end here too)."""
-        self._note_stores(self._bound)
-        self._sync_failures.extend(self.sync.saving(part for _, part in self._bound))
+        for _, watch in self.watches:
+            if watch.metadata is not None:
+                watch.note_stores(watch.metadata)
+        if self._syncing or self.sync.loads_open:
+            self._sync_failures.extend(self.sync.saving(self._syncing))
 
     def saved(self) -> None:
-        """After the wrapped `wait_for_save`."""
+        """After the wrapped `wait_for_save`, when `sync.stores_open`."""
         self.sync.saved()
 
     def results(self, results: Any) -> Any:
@@ -120,10 +143,12 @@ class WorkerSide:
         self.transfers.raise_pending()
         return finished
 
+    @property
+    def load_errors_found(self) -> bool:
+        return bool(self._load_errors)
+
     def load_errors(self, reported: set[int]) -> set[int]:
         """The wrapped connector's load errors, and the corrupt blocks found this step."""
-        if not self._load_errors:
-            return reported
         errors, self._load_errors = self._load_errors, set()
         return set(reported) | errors
 
@@ -140,13 +165,10 @@ class WorkerSide:
         self.watches = []
 
     def _watch(self, leaf: Any) -> OffloadingWatch | None:
-        return next((watch for known, watch in self.watches if known is leaf), None)
-
-    def _note_stores(self, parts: Any) -> None:
-        for leaf, part in parts:
-            watch = self._watch(leaf)
-            if watch is not None:
-                watch.note_stores(part)
+        for known, watch in self.watches:
+            if known is leaf:
+                return watch
+        return None
 
     def _finished(self, finished: Any, failed: Any) -> list[LoadFailure]:
         failures = self.receives.finish(finished, failed)

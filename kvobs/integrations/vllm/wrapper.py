@@ -95,7 +95,7 @@ class WrapperMethods:
         self._kvobs_wrapped.clear_connector_metadata()
         super().clear_connector_metadata()  # type: ignore[misc]
         if self._kvobs_worker is not None:
-            self._kvobs_safely(None, self._kvobs_worker.cleared)
+            self._kvobs_worker.cleared()
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> Any:
         wrapped_metadata, _ = self._kvobs_unwrap(kv_connector_metadata)
@@ -104,7 +104,9 @@ class WrapperMethods:
         return self._kvobs_wrapped.handle_preemptions(wrapped_metadata)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        if self._kvobs_worker is not None:
+        # Per-step checks of the worker's own flags, here: a call of kvobs's per engine step costs microseconds
+        # (its code is cold after each forward pass), so the steps that need nothing of kvobs make none.
+        if self._kvobs_worker is not None and self._kvobs_worker.loads_in_step:
             self._kvobs_safely(None, self._kvobs_worker.loading)
         return self._kvobs_wrapped.start_load_kv(forward_context, **kwargs)
 
@@ -112,7 +114,7 @@ class WrapperMethods:
         if self._kvobs_worker is not None:
             self._kvobs_safely(None, self._kvobs_worker.saving)
         result = self._kvobs_wrapped.wait_for_save()
-        if self._kvobs_worker is not None:
+        if self._kvobs_worker is not None and self._kvobs_worker.sync.stores_open:
             self._kvobs_safely(None, self._kvobs_worker.saved)
         return result
 
@@ -130,7 +132,7 @@ class WrapperMethods:
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         reported = self._kvobs_wrapped.get_block_ids_with_load_errors()
-        if self._kvobs_worker is None:
+        if self._kvobs_worker is None or not self._kvobs_worker.load_errors_found:
             return reported
         return self._kvobs_safely(reported, self._kvobs_worker.load_errors, reported)
 
