@@ -29,8 +29,9 @@ def as_int(value: Any, name: str, minimum: int = 0) -> int:
 
 def int_list(values: Any, name: str) -> list[int]:
     """Sequences, numpy arrays and tensors as a list of Python ints (one `.tolist()`, no per-item device sync)."""
-    if hasattr(values, "tolist"):
-        values = values.tolist()
+    values = values.tolist() if hasattr(values, "tolist") else list(values)
+    if values and set(map(type, values)) == {int} and min(values) >= 0:
+        return values  # the common case, checked in C loops only: a transfer's ids are on the engine's hot path
     return [as_int(v, name) for v in values]
 
 
