@@ -662,7 +662,7 @@ def test_a_stuck_initialisation_times_out_instead_of_hanging(
     BlockLock.attach("kv", NUM_BLOCKS, directory=tmp_path).close()
 
 
-# -- through an observer: a transfer naming no blocks claims the whole cache, shared for reading paths -------
+# --- through an observer: a transfer naming no blocks claims the whole cache, shared for reading paths -----
 
 
 def test_transfers_naming_no_blocks_share_the_whole_cache_when_they_read_and_exclude_when_they_write(tmp_path,
@@ -699,7 +699,7 @@ def test_transfers_naming_no_blocks_share_the_whole_cache_when_they_read_and_exc
     lock.close()
 
 
-# -- who a waiting claim is told of; zero timeouts; ids in range; the sizes of a lock ------------------------
+# --- who a waiting claim is told of; zero timeouts; ids in range; the sizes of a lock ----------------------
 
 
 def test_a_waiting_reader_is_told_of_the_writer_not_of_a_reader_beside_it(lock: BlockLock) -> None:
@@ -769,7 +769,7 @@ def test_locks_of_one_block_and_of_the_most_blocks_are_accepted_and_nothing_beyo
         BlockLock("too-large", _MAX_BLOCKS + 1, directory=tmp_path)
 
 
-# -- close(): no description handed out again, none left open, none closed twice -----------------------------
+# --- close(): no description handed out again, none left open, none closed twice ---------------------------
 
 
 def test_a_closed_lock_refuses_claims_even_with_descriptions_that_were_idle(tmp_path: Path) -> None:

@@ -366,7 +366,7 @@ def test_an_interrupt_at_any_instruction_of_an_async_exit_leaks_nothing(tmp_path
     lock.close()
 
 
-# -- the interrupt storm on guarded calls, and with-blocks exited elsewhere ----------------------------------
+# --- the interrupt storm on guarded calls, and with-blocks exited elsewhere --------------------------------
 
 
 class _Calls:
