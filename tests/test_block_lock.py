@@ -748,7 +748,8 @@ def test_a_claim_with_a_zero_timeout_on_held_blocks_raises_at_once_saying_zero_s
 
 @pytest.mark.parametrize("blocks", [[1, 2.0], [1.0, 2], [-1, 2], [1, NUM_BLOCKS]])
 def test_a_claim_of_anything_but_ids_in_range_is_refused_by_name(lock: BlockLock, blocks: list[Any]) -> None:
-    with pytest.raises(ValueError, match=rf"block ids of .* must be ints from 0 to {NUM_BLOCKS - 1}"), lock.claim(blocks):
+    refused = rf"block ids of .* must be ints from 0 to {NUM_BLOCKS - 1}"
+    with pytest.raises(ValueError, match=refused), lock.claim(blocks):
         raise AssertionError("never entered")
     with lock.claim([1, 2]):  # nothing was left claimed
         pass
