@@ -662,7 +662,7 @@ def test_a_stuck_initialisation_times_out_instead_of_hanging(
     BlockLock.attach("kv", NUM_BLOCKS, directory=tmp_path).close()
 
 
-# -- through an observer: a transfer naming no blocks claims the whole cache, shared for reading paths -------
+# --- through an observer: a transfer naming no blocks claims the whole cache, shared for reading paths -----
 
 
 def test_transfers_naming_no_blocks_share_the_whole_cache_when_they_read_and_exclude_when_they_write(tmp_path,
@@ -699,7 +699,7 @@ def test_transfers_naming_no_blocks_share_the_whole_cache_when_they_read_and_exc
     lock.close()
 
 
-# -- who a waiting claim is told of; zero timeouts; ids in range; the sizes of a lock ------------------------
+# --- who a waiting claim is told of; zero timeouts; ids in range; the sizes of a lock ----------------------
 
 
 def test_a_waiting_reader_is_told_of_the_writer_not_of_a_reader_beside_it(lock: BlockLock) -> None:
@@ -748,7 +748,8 @@ def test_a_claim_with_a_zero_timeout_on_held_blocks_raises_at_once_saying_zero_s
 
 @pytest.mark.parametrize("blocks", [[1, 2.0], [1.0, 2], [-1, 2], [1, NUM_BLOCKS]])
 def test_a_claim_of_anything_but_ids_in_range_is_refused_by_name(lock: BlockLock, blocks: list[Any]) -> None:
-    with pytest.raises(ValueError, match=rf"block ids of .* must be ints from 0 to {NUM_BLOCKS - 1}"), lock.claim(blocks):
+    refused = rf"block ids of .* must be ints from 0 to {NUM_BLOCKS - 1}"
+    with pytest.raises(ValueError, match=refused), lock.claim(blocks):
         raise AssertionError("never entered")
     with lock.claim([1, 2]):  # nothing was left claimed
         pass
@@ -769,7 +770,7 @@ def test_locks_of_one_block_and_of_the_most_blocks_are_accepted_and_nothing_beyo
         BlockLock("too-large", _MAX_BLOCKS + 1, directory=tmp_path)
 
 
-# -- close(): no description handed out again, none left open, none closed twice -----------------------------
+# --- close(): no description handed out again, none left open, none closed twice ---------------------------
 
 
 def test_a_closed_lock_refuses_claims_even_with_descriptions_that_were_idle(tmp_path: Path) -> None:

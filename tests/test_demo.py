@@ -6,6 +6,7 @@ Runs are short (2 s at most) but the race windows are wide on purpose, so one or
 
 from __future__ import annotations
 
+import ast
 import io
 import math
 import os
@@ -14,6 +15,7 @@ import socket
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -259,3 +261,40 @@ def test_incidents_per_run_keyed_by_its_name_and_guarded_runs_need_no_stale_bloc
     assert incidents(runs) == {"unguarded_nan_incident": True, "unguarded_hang_incident": False,
                                "global_lock_clean": True, "block_lock_clean": False, "fourth_clean": False}
     assert set(GUARDED_INVARIANTS) <= set(runs["global_lock"])
+
+
+# -- the demo is a user of kvobs: public names only ------------------------------------------------------------
+
+PUBLIC_MODULES = {"kvobs", "kvobs.errors", "kvobs.semconv", "kvobs.config", "kvobs.policy", "kvobs.integrity",
+                  "kvobs.signals", "kvobs.testing"}
+
+
+def kvobs_names_used(source: str) -> list[str]:
+    """Every kvobs module or name a source imports or reaches as an attribute (`kvobs.x.y`), the simulator's
+    own modules left out."""
+    used = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            used += [alias.name for alias in node.names if alias.name.split(".")[0] == "kvobs"]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "kvobs":
+            used += [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "kvobs":
+            used.append(f"kvobs.{node.attr}")
+    return [name for name in used if not name.startswith("kvobs.sim")]
+
+
+def is_public(name: str) -> bool:
+    """A public module, or a name kvobs (or a public module) exports."""
+    if name in PUBLIC_MODULES:
+        return True
+    module, _, attr = name.rpartition(".")
+    if module == "kvobs":
+        return attr in kvobs.__all__ or attr == "__version__" or name in PUBLIC_MODULES
+    return module in PUBLIC_MODULES
+
+
+def test_the_demo_uses_kvobs_public_names_only():
+    sim = Path(kvobs.__file__).parent / "sim"
+    internal = {f"{path.name}: {name}" for path in sorted(sim.glob("*.py"))
+                for name in kvobs_names_used(path.read_text()) if not is_public(name)}
+    assert internal == set()

@@ -650,9 +650,6 @@ def test_transfers_on_disjoint_blocks_of_a_block_lock_nest(tmp_path):
     lock.close()
 
 
-# -- re-entry: refused at once where a transfer would wait for its own caller, and only there (2) ------------
-
-
 def test_reentry_on_the_same_lock_fails_at_once(cap):
     obs = cap.observer
 
@@ -769,9 +766,6 @@ def test_a_sync_function_returning_a_coroutine_is_refused(cap):
     assert ran == []
     assert lock_is_free(obs.lock)
     assert cap.value(sc.TRANSFERS_TOTAL, path="send", outcome="error") == 1
-
-
-# -- what may be guarded (2) ---------------------------------------------------------------------------------
 
 
 def test_a_refused_coroutine_is_closed_so_python_never_warns_it_was_not_awaited(checked):

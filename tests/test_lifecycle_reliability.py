@@ -1,6 +1,8 @@
-"""Issue 22, the lifecycle's part: the deadline thread survives and is supervised, a with-block's exit is as
-interrupt-safe as a decorated call, `block_ids=None` is refused as the decorators refuse it, and floods of
-rejected or abandoned transfers log a bounded number of lines with exact counts.
+"""The lifecycle under stress: the deadline thread survives and is supervised; no interrupt leaks a lock,
+whether a storm of real signals lands on guarded calls and with-blocks or an interrupt lands at any instruction
+of an exit; a with-block exited in another thread or context releases; `block_ids=None` is refused as the
+decorators refuse it; floods of rejected or abandoned transfers log a bounded number of lines with exact
+counts.
 
 Real threads and real signals throughout (the storm is a SIGALRM interval timer whose handler raises).
 """
@@ -364,7 +366,7 @@ def test_an_interrupt_at_any_instruction_of_an_async_exit_leaks_nothing(tmp_path
     lock.close()
 
 
-# -- the interrupt storm on guarded calls, and with-blocks exited elsewhere ----------------------------------
+# --- the interrupt storm on guarded calls, and with-blocks exited elsewhere --------------------------------
 
 
 class _Calls:

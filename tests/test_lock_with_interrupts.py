@@ -1,6 +1,6 @@
 """`with lock:` on a lock used directly (ThreadLock, ProcessLock, a BlockLock claim) never leaks it when an
-asynchronous exception lands anywhere in the with-statement's entry or exit (issue 22 point 3, the README's
-"never leaked by an asynchronous exception")."""
+asynchronous exception lands anywhere in the with-statement's entry or exit: the README's "never leaked by an
+asynchronous exception"."""
 
 from __future__ import annotations
 

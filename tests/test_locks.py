@@ -530,7 +530,7 @@ def test_acquire_without_a_timeout_waits_the_one_the_lock_was_built_with() -> No
         lock.release()
 
 
-# -- who a waiter waited for ---------------------------------------------------------------------------------
+# --- who a waiter waited for -------------------------------------------------------------------------------
 
 
 KINDS = ["thread", "process"]
@@ -638,7 +638,7 @@ def test_the_first_holder_of_a_new_lock_is_unknown_until_it_has_noted_itself(tmp
         mutex.release()
 
 
-# -- waits with no timeout, and with a timeout of exactly one second -----------------------------------------
+# --- waits with no timeout, and with a timeout of exactly one second ---------------------------------------
 
 
 @pytest.mark.parametrize("timeout", [None, 1.0, 1])
@@ -662,7 +662,7 @@ def test_a_contended_acquire_waits_for_the_holder(tmp_path, kind, timeout):
     lock.release()
 
 
-# -- the direct API: `with lock:`, and what a lock says it is ------------------------------------------------
+# --- the direct API: `with lock:`, and what a lock says it is ----------------------------------------------
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -719,7 +719,7 @@ def test_the_null_lock_holds_nothing_and_overlaps_nothing():
     assert lock.acquire_into(deque(), Claim("prefetch"), 0) is True
 
 
-# -- close() gives the file lock back; a forked child that cannot re-open it ---------------------------------
+# --- close() gives the file lock back; a forked child that cannot re-open it -------------------------------
 
 
 def test_close_drops_the_file_lock_it_held(tmp_path):
@@ -785,7 +785,7 @@ def test_a_forked_child_that_cannot_reopen_its_lock_file_is_warned_and_never_sha
     assert len(messages) == 1 and "cannot re-open" in messages[0] and "kvobs-kv" in messages[0]
 
 
-# -- the back-off of a lock that can only be tried -----------------------------------------------------------
+# --- the back-off of a lock that can only be tried ---------------------------------------------------------
 
 
 class _Clock:
