@@ -75,8 +75,8 @@ def loop(fn: Callable[[], object]) -> Callable[[int], None]:
 
 def flushed(run: Callable[[int], None], provider: TracerProvider) -> Callable[[int], None]:
     """`run`, then the spans it queued exported: each case pays for exporting its own spans. Without it the
-    batch processor's worker exports the leftovers of one case while the next runs (the case timed right after
-    the raw batch span paid for both: 1.20-1.24x in that order, 1.05-1.11x with the two swapped)."""
+    batch processor's worker exports the leftovers of one case while the next runs, and the case timed right
+    after the raw batch span pays for both (docs/benchmarks.md, "Tracing")."""
 
     def run_and_flush(n: int) -> None:
         run(n)

@@ -8,8 +8,9 @@ observers' tables weakly and is restarted in a forked child, where the parent's 
 forgotten. Nothing may end that thread: without it a lost completion holds the lock for ever. A round that
 raises, whatever it raised, is counted as a restart under every watched observer's
 `kvobs_telemetry_errors_total{stage="deadline_thread"}` and logged once per interval, and the rounds go on.
-Calls on the fast lane (`kvobs.fast_lane`) are counted, aged and abandoned through the lanes a table watches:
-a lane's slot is open exactly while its release is pending.
+Transfers held by the lifecycle's fast path (`kvobs.fast_lane`) are not entered here: they are counted, aged
+and abandoned through the lanes a table watches, where a slot's transfer is open exactly while its release is
+pending.
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ class OpenTransfers:
             oldest = next(iter(self.by_path[path].values()), None)
         except RuntimeError:  # the table changed while being read (another thread): report none this time
             oldest = None
-        begins = [slot.t_begin for lane in self.lanes for slot in lane.open_calls(self, path)]
+        begins = [t.t_begin for lane in self.lanes for t in lane.open_calls(self, path)]
         if oldest is not None:
             begins.append(oldest.t_begin)
         return max(0.0, perf_counter() - min(begins)) if begins else 0.0

@@ -67,7 +67,7 @@ EXPIRY_DUE = -math.inf  # `_expire_at` while nothing is pending: the next signal
 
 
 def held(lock: threading.Lock) -> AbstractContextManager[bool]:
-    """`with held(lock):` is `with lock:` at about two thirds of the cost (108 against 158 ns here).
+    """`with held(lock):` is `with lock:` for less (docs/benchmarks.md, "Signal buffer").
 
     `with` looks `__enter__` and `__exit__` up on the type, and for a lock each lookup builds a new bound method.
     This one-off class holds the lock's own bound methods, which `with` finds ready. The same C functions run,
@@ -97,8 +97,8 @@ class SignalBufferCore:
         self._max_pending = max_pending
         self._max_slots = max_slots
         self._live: dict[int, list[int]] = {}  # slot -> task: see kvobs.signals.records
-        # slot -> (tokens, since, wall), oldest first: entries are never moved. A plain dict (an OrderedDict
-        # costs a tenth of the baseline more per insert and delete); see _evict_oldest_locked for its front.
+        # slot -> (tokens, since, wall), oldest first: entries are never moved. A plain dict, cheaper per insert
+        # and delete than an OrderedDict; see _evict_oldest_locked for its front.
         self._pending: dict[int, tuple[int, float, float]] = {}
         self._evicted = 0  # entries evicted since the pending dict was last compacted
         # nothing pending expires before this: one compare decides a lazy sweep. Whenever nothing is pending it
