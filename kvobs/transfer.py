@@ -272,6 +272,14 @@ class Transfer:
         """Whether this transfer holds its lock now."""
         return self.state in _HOLDING and bool(self._held)
 
+    def release_lock(self) -> None:
+        """Release the lock now; the transfer stays open until it is completed, failed or abandoned. For a copy
+        that needs its claim only while it is launched (a layer-wise send, whose next layer must not queue behind
+        a forward pass waiting for this claim), its sources checked again at completion (`check_copied`)."""
+        self._release()
+        if async_wait.waiting:
+            async_wait.wake_waiters(self.route.lock)
+
     @property
     def skipped(self) -> bool:
         """The sources were corrupt and the policy chose to leave the copy out (see `skip()`)."""
