@@ -94,7 +94,7 @@ def test_a_send_completes_when_poll_reports_success_and_decode_checks_what_lande
     assert (send.outcome, send.blocks, send.request_id) == (sc.OUTCOME_OK, 3, ROOM)
     assert (receive.outcome, receive.blocks, receive.request_id) == (sc.OUTCOME_OK, 3, ROOM)
     assert cap.value("kvobs_nan_checks_total", path=sc.PATH_RECEIVE, result="clean") == 1
-    assert cap.value("kvobs_nan_checks_total", path=sc.PATH_SEND, result="clean") == 1
+    assert cap.value("kvobs_nan_checks_total", path=sc.PATH_SEND, result="clean") == 2  # at send, at conclusion
 
 
 def test_chunks_of_one_request_are_one_trace_and_only_sent_pages_are_checked(
