@@ -22,7 +22,7 @@ and returns an undo handle (call it, or `.undo()`, to restore the object exactly
 Nothing here imports FastDeploy or Paddle: the objects passed in are FastDeploy's.
 """
 
-from kvobs.integrations.fastdeploy.engine import instrument_prefix_cache_manager
+from kvobs.integrations.fastdeploy.engine import CorruptLoad, instrument_prefix_cache_manager
 from kvobs.integrations.fastdeploy.lock import FastDeployLock, gpu_cache_lock_path
 from kvobs.integrations.fastdeploy.messager import bridge_cache_messager
 from kvobs.integrations.fastdeploy.patching import Patches
@@ -44,6 +44,7 @@ from kvobs.integrations.fastdeploy.worker import instrument_worker_process
 __all__ = [
     "TRACE_KEY",
     "WRITE_ERROR",
+    "CorruptLoad",
     "DecodeReceives",
     "FastDeployLock",
     "LaunchFailed",
