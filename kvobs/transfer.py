@@ -276,7 +276,14 @@ class Transfer:
         """Release the lock now; the transfer stays open until it is completed, failed or abandoned. For a copy
         that needs its claim only while it is launched (a layer-wise send, whose next layer must not queue behind
         a forward pass waiting for this claim), its sources checked again at completion (`check_copied`)."""
-        self._release()
+        self._release()  # the lock and the open-transfers entry, in C; the entry alone is made again
+        held = self._held = deque()
+        self._release = one_shot_release(held)
+        table = self.route.open
+        if table is not None and self.outcome is None:
+            table.enter(held, self)
+            if self.key is not None:
+                table.claim_key(held, self.path, self.key, self)
         if async_wait.waiting:
             async_wait.wake_waiters(self.route.lock)
 
