@@ -14,7 +14,7 @@ and returns an undo handle (call it, or `.undo()`, to restore the object exactly
     # prefill cache messager (CacheMessagerV1): early layer0 signals kept; IPC sends checked before launch
     msg_obs = kvobs.KVObserver("fd-messager", lock=None)  # sends stay open until their stream sync
     kvfd.bridge_cache_messager(messager, msg_obs.signal_buffer())  # StepAlignedSignalBuffer() per TP rank
-    kvfd.instrument_ipc_comm_manager(messager.messager["ipc"], msg_obs)
+    kvfd.instrument_ipc_comm_manager(messager.messager["ipc"], msg_obs, messager=messager)  # checked at sync too
     # one trace per request across prefill and decode (engine processes)
     kvfd.instrument_prefill_connector(prefill_splitwise_connector, engine_obs)
     receives = kvfd.instrument_decode_connector(decode_splitwise_connector, decode_engine_obs)
