@@ -63,8 +63,8 @@ def instrument_ipc_comm_manager(comm: Any, obs: KVObserver, *, messager: Any = N
     request's task "write cache error" before the messager reports the request (see the module docstring).
 
     Many sends are open at once (every layer until the sync), so the observer's lock must let them share
-    (lock=None, or a BlockLock: sends read their blocks); a global lock is refused here, as the second
-    layer's send would wait for the first one's sync, which comes after it.
+    (lock=None, or a BlockLock: sends read their blocks); a global lock is refused here. Each send holds its
+    claim only while its layer is launched (see the module docstring).
     """
     if obs.lock.overlaps(Claim(sc.PATH_SEND, (0,), False), Claim(sc.PATH_SEND, (1,), False)):
         raise ValueError(
