@@ -27,6 +27,7 @@ from kvobs.observer import KVObserver
 from kvobs.policy import IntegrityPolicy
 from kvobs.signals import EarlySignalBuffer, Progress, ReadySignal, StepAlignedSignalBuffer
 from kvobs.telemetry.exposition import start_metrics_server
+from kvobs.telemetry.multiprocess import clear_dead_processes
 from kvobs.telemetry.logs import add_trace_context
 from kvobs.telemetry.recorder import TransferRecord
 from kvobs.telemetry.tracing import configure_tracing
@@ -63,6 +64,7 @@ __all__ = [
     "TransferRejected",
     "add_trace_context",
     "check_blocks",
+    "clear_dead_processes",
     "configure_tracing",
     "instrument",
     "start_metrics_server",

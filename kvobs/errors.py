@@ -350,3 +350,13 @@ class SendFailed(KVObsError, RuntimeError):
     status: Any
 
     template = "the cache send of request {request_id!r} ended with status {status!r}"
+
+
+class CorruptLoad(KVObsError, RuntimeError):
+    """A FastDeploy storage read loaded NaN/Inf: the read failed as FastDeploy fails one (nothing loaded, the
+    engine recomputes), on the rank that copied and on the engine that asked."""
+
+    task_id: Any
+    bad_block_ids: tuple[int, ...]
+
+    template = "storage task {task_id!r} loaded NaN/Inf into GPU blocks {bad_block_ids}: reported as nothing loaded"

@@ -322,6 +322,21 @@ class Transfer:
         """Whether this transfer holds its lock now."""
         return self.state in _HOLDING and bool(self._held)
 
+    def release_lock(self) -> None:
+        """Release the lock now; the transfer stays open until it is completed, failed or abandoned. For a copy
+        that needs its claim only while it is launched (a layer-wise send, whose next layer must not queue behind
+        a forward pass waiting for this claim), its sources checked again at completion (`check_copied`)."""
+        self._release()  # the lock and the open-transfers entry, in C; the entry alone is made again
+        held = self._held = deque()
+        self._release = one_shot_release(held)
+        table = self.route.open
+        if table is not None and self.outcome is None:
+            table.enter(held, self)
+            if self.key is not None:
+                table.claim_key(held, self.path, self.key, self)
+        if async_wait.waiting:
+            async_wait.wake_waiters(self.route.lock)
+
     @property
     def skipped(self) -> bool:
         """The sources were corrupt and the policy chose to leave the copy out (see `skip()`)."""
@@ -405,6 +420,18 @@ class Transfer:
     def _refuse_reuse(self) -> None:
         if self.state != NEW:
             raise RuntimeError(f"{self!r} was already entered or begun; create a new one per transfer")
+
+    def check_copied(self, cache: Any = None, block_ids: Any = None) -> Any:
+        """Before ending a reading transfer (write-back, send), check what its copy actually moved: `cache` at
+        `block_ids` (the destination, e.g. host pages once the copy is acknowledged), or by default the
+        transfer's own sources again. Its sources were checked when the lock was taken; an engine that copies
+        later (from a queue, on a stream) carries a NaN written in between unless its lock excludes every
+        writer, and only this second look sees it.
+
+        Returns the CheckResult when it found NaN/Inf and the policy acts on it (`raise`, `skip`): take the
+        engine's failure path then. None when clean, not checked, or under `count`. A finding is counted,
+        logged, put on the span and in `bad_block_ids`."""
+        return checks.check_copied(self, cache, block_ids)
 
     # -- ending: exactly once, from any thread -----------------------------------------------------------
 

@@ -22,6 +22,7 @@ from fastdeploy_shaped.worker_process import PaddleDisWorkerProc
 from prometheus_client import CollectorRegistry
 
 import kvobs
+from kvobs.block_lock import BlockLock
 from kvobs.integrations import fastdeploy as kvfd
 from kvobs.lockfile import UnsafeLockFile
 from kvobs.testing import capture
@@ -197,6 +198,48 @@ def test_the_worker_times_out_instead_of_hanging_behind_a_stuck_holder(lock_dir)
         stuck.release()
         proc.event_loop_step({}, 1)
         assert len(proc.worker.steps) == 1
+
+
+def test_with_a_block_lock_the_forward_pass_and_a_copy_exclude_each_other(lock_dir, tmp_path):
+    lock = BlockLock("fd-blocks", 16, directory=tmp_path)
+    with capture("fd-rank0", lock=lock, lock_timeout=0.3) as cap:
+        proc = worker(lock_dir, 0, tp=1)
+        undo = kvfd.instrument_worker_process(proc, cap.observer)
+        copying, copied = threading.Event(), threading.Event()
+
+        def copy() -> None:  # a storage load into blocks 3 and 4, in the cache transfer process
+            with cap.observer.transfer("prefetch", block_ids=[3, 4]):
+                copying.set()
+                copied.wait(30)
+
+        thread = threading.Thread(target=copy)
+        thread.start()
+        assert copying.wait(30)
+        with pytest.raises(kvobs.LockTimeout):
+            proc.event_loop_step({}, 1)  # the forward pass waits for the copy's blocks
+        copied.set()
+        thread.join(30)
+        seen = []
+
+        def copy_during_forward() -> None:
+            try:
+                with cap.observer.transfer("send", block_ids=[5]):
+                    seen.append("copied")
+            except kvobs.LockTimeout:
+                seen.append("waited")
+
+        def forward() -> None:
+            other = threading.Thread(target=copy_during_forward)
+            other.start()
+            other.join(30)
+
+        proc.worker.during_step = forward
+        proc.event_loop_step({}, 1)
+        assert seen == ["waited"] and len(proc.worker.steps) == 1  # a copy waits for the forward pass
+        proc.worker.during_step = None
+        with cap.observer.transfer("send", block_ids=[5]):
+            pass  # and goes ahead once it is over
+        undo()
 
 
 # -- the tensor-parallel barrier -----------------------------------------------------------------------------

@@ -5,15 +5,19 @@ the messager's loops; its IPC sends are send transfers, checked before the copy 
 from __future__ import annotations
 
 import pickle
+import threading
 from contextlib import ExitStack
 
 import numpy as np
 import pytest
 from fastdeploy_shaped import cache_messager
-from fastdeploy_shaped.prefill import LAYERS, prefill_node
+from fastdeploy_shaped.prefill import BLOCKS, DECODE_GPU, LAYERS, prefill_node
 from fastdeploy_shaped.tensors import ids
 from support import wait_until
 
+from kvobs import semconv as sc
+from kvobs.block_lock import BlockLock
+from kvobs.errors import CorruptKVError, LockTimeout
 from kvobs.integrations import fastdeploy as kvfd
 from kvobs.signals import StepAlignedSignalBuffer
 from kvobs.testing import capture
@@ -165,3 +169,65 @@ def test_a_launch_that_returns_an_error_code_fails_its_send(stack):
     assert (record.path, record.outcome) == ("send", "error")
     assert pickle.loads(pickle.dumps(record.error)).args == kvfd.LaunchFailed(7, 0, 1).args
     assert str(record.error) == "write_cache to GPU 7, layer 0, returned 1: not launched"
+
+
+def test_a_nan_written_between_the_launch_and_the_copy_fails_the_request(stack):
+    prefill = node(stack)
+    records = []
+    cap = stack.enter_context(capture("fd-messager", integrity="raise", lock=None, hooks=[records.append]))
+    m = prefill.messagers[0]
+    comm = m.messager["ipc"]
+    stack.callback(kvfd.bridge_cache_messager(m, cap.observer.signal_buffer()))
+    stack.callback(kvfd.instrument_ipc_comm_manager(comm, cap.observer, messager=m))
+    prefill.settle()
+    comm.connect(DECODE_GPU)
+    stream_free = threading.Event()
+    comm.comm_map[DECODE_GPU].write_stream.submit(stream_free.wait)  # the decode GPU's stream is busy
+    stack.callback(stream_free.set)
+    prefill.start_sending()
+    prefill.prefill_info("req", SLOT, SRC, TOKENS)
+    prefill.decode_info("req", DEST)
+    wait_until(lambda: SLOT in m.idx_cache_task_dict)
+    prefill.run_layers(SLOT, TOKENS)
+    wait_until(lambda: cap.observer.open.count("send") == LAYERS)  # every layer launched and checked, none copied
+    prefill.prefill_cache()[1][6, 0, 0, 0] = np.nan  # the source changes before its copy runs (lock=None)
+    stream_free.set()
+    assert prefill.finished() == [["req", "write cache error"]]  # FastDeploy's own failure report
+    assert not sent_correctly(prefill)  # the NaN went to decode: the decode node is told not to use it
+    (bad,) = [r for r in records if r.outcome == "error"]
+    assert isinstance(bad.error, CorruptKVError) and bad.bad_block_ids == (6,)
+    assert sorted(r.outcome for r in records) == ["error"] + ["ok"] * (LAYERS - 1)
+    assert cap.value("kvobs_nan_checks_total", path="send", result="nan") == 1
+    (span,) = [s for s in cap.spans if s.name == "kvobs.send" and sc.ATTR_BAD_BLOCK_IDS in s.attributes]
+    assert list(span.attributes[sc.ATTR_BAD_BLOCK_IDS]) == [6]
+
+
+def test_a_forward_pass_between_layers_does_not_stall_the_layerwise_send(stack, tmp_path):
+    prefill = node(stack)
+    comm = prefill.messagers[0].messager["ipc"]
+    records = []
+    lock = BlockLock("fd-send", BLOCKS, directory=tmp_path)
+    cap = stack.enter_context(capture("fd-messager", lock=lock, lock_timeout=2, integrity="raise",
+                                      hooks=[records.append]))
+    stack.callback(kvfd.instrument_ipc_comm_manager(comm, cap.observer))
+    assert comm.write_cache("0.0.0.0", DECODE_GPU, ids(SRC), ids(DEST), 0) == 0  # layer 0 launched
+    computed = []
+
+    def forward_pass() -> None:  # writes the next layer of the same blocks
+        with cap.observer.hold(block_ids=SRC):
+            computed.append(1)
+
+    forward = threading.Thread(target=forward_pass)
+    forward.start()
+    forward.join(timeout=0.5)  # a forward pass still waiting here is queued behind layer 0's claim
+    codes = []
+    for layer in range(1, LAYERS):
+        try:
+            codes.append(comm.write_cache("0.0.0.0", DECODE_GPU, ids(SRC), ids(DEST), layer))
+        except LockTimeout:
+            codes.append("stalled")
+    forward.join(timeout=30)
+    comm.write_block_by_sync(DECODE_GPU)
+    assert codes == [0] * (LAYERS - 1) and computed == [1]
+    assert sorted(r.outcome for r in records if r.path == "send") == ["ok"] * LAYERS
+    assert sent_correctly(prefill)

@@ -31,8 +31,9 @@ class Setup:
         self.cluster = make_cluster(n_ranks, barrier_timeout=10)
         stack.callback(self.cluster.stop)
         self.records: list = []
-        self.engine_obs = stack.enter_context(capture(
-            "fd-engine", lock=ThreadLock("engine"), deadline=deadline, hooks=[self.records.append])).observer
+        self.engine_cap = stack.enter_context(capture(
+            "fd-engine", lock=ThreadLock("engine"), deadline=deadline, hooks=[self.records.append]))
+        self.engine_obs = self.engine_cap.observer
         self.rank_caps = [stack.enter_context(capture(
             f"fd-rank{r}", lock=ThreadLock(f"rank{r}"), deadline=deadline, integrity="raise",
             capacity=BLOCKS, hooks=[self.records.append])) for r in range(n_ranks)]
@@ -106,16 +107,23 @@ def test_a_partial_storage_hit_raises_no_false_alarm(setup):
     assert (engine_record.outcome, engine_record.blocks) == ("ok", 2)
 
 
-def test_a_nan_load_is_caught_and_reported_as_nothing_loaded(setup):
-    s = setup()
+@pytest.mark.parametrize("n_ranks", [1, 2])
+def test_a_nan_load_is_an_error_on_every_observer_and_reported_as_nothing_loaded(setup, n_ranks):
+    s = setup(n_ranks=n_ranks)
     s.cluster.fill(KEYS[:3])
-    s.cluster.store.blocks["prefix_h1_0_key"][1, 0, 0, 0] = np.nan  # poisoned in storage
+    s.cluster.store.blocks["prefix_h1_0_key"][1, 0, 0, 0] = np.nan  # poisoned in rank 0's storage
     loaded = s.cluster.engine.issue_prefetch_storage_task(read_task("r3", KEYS[:3], [5, 6, 7]))
     assert loaded == []  # the engine recomputes instead of using poisoned KV, and does not hang
-    (rank_record,) = s.wait_for("fd-rank0", "prefetch")
-    assert (rank_record.outcome, rank_record.bad_block_ids) == ("rejected", (6,))
+    (rank_record, *_) = s.wait_for("fd-rank0", "prefetch")
+    assert (rank_record.outcome, rank_record.bad_block_ids) == ("error", (6,))
+    assert isinstance(rank_record.error, kvfd.CorruptLoad)
     assert s.rank_caps[0].value("kvobs_nan_checks_total", path="prefetch", result="nan") == 1
-    assert s.ended("fd-engine", "prefetch")[0].blocks == 0
+    (engine_record,) = s.wait_for("fd-engine", "prefetch")
+    assert (engine_record.outcome, engine_record.bad_block_ids) == ("error", (6,))  # not "ok, 0 blocks": a miss
+    assert isinstance(engine_record.error, kvfd.CorruptLoad) and "6" in str(engine_record.error)
+    for cap in (s.engine_cap, s.rank_caps[0]):
+        (span,) = [span for span in cap.spans if span.name == "kvobs.prefetch"]
+        assert list(span.attributes[sc.ATTR_BAD_BLOCK_IDS]) == [6]
 
 
 def test_a_nan_store_is_stopped_and_its_done_signal_still_sent(setup):

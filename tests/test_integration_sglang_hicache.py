@@ -141,6 +141,26 @@ def test_a_nan_store_is_not_copied_and_nothing_waits_for_it(engine: Any, cap: An
     undo()
 
 
+def test_a_nan_written_between_the_write_and_its_copy_is_caught_on_the_host_at_the_ack(engine: Any, cap: Any,
+                                                                                      records: list) -> None:
+    rig, radix, undo = _observed(engine, cap, "hybrid")  # the radix cache defers the copy (flush=False)
+    slots = rig.allocator.alloc(2 * PAGE)
+    rig.fill(slots, 3.0)
+    host = rig.write(slots, 5)  # sources checked now: clean
+    rig.fill(slots[PAGE:PAGE + 1], math.nan)  # the forward pass writes a queued page (lock=None excludes nobody)
+    radix.expect_write(5)
+    rig.controller.start_writing()  # the copy carries the NaN to host memory
+    radix.writing_check()  # SGLang takes the ack: the host pages are checked now
+    (write,) = _ended(records, sc.PATH_WRITE_BACK)
+    assert write.outcome == sc.OUTCOME_ERROR and isinstance(write.error, CorruptKVError)
+    assert write.bad_block_ids == (int(host[PAGE]) // PAGE,)  # the host page holding the bad copy
+    (span,) = [s for s in cap.spans if s.name == "kvobs.write_back"]
+    assert list(span.attributes[sc.ATTR_BAD_BLOCK_IDS]) == [int(host[PAGE]) // PAGE]
+    assert cap.value("kvobs_nan_checks_total", path=sc.PATH_WRITE_BACK, result="nan") == 1
+    assert radix.written == [5] and rig.controller.ack_write_queue == []  # SGLang's loop went on
+    undo()
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_load_never_acknowledged_is_abandoned_at_the_deadline(engine: Any, records: list, kind: str) -> None:
     with capture(engine="sglang", lock=None, page_size=PAGE, deadline=0.2, hooks=[records.append]) as cap:

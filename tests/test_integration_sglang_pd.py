@@ -94,7 +94,7 @@ def test_a_send_completes_when_poll_reports_success_and_decode_checks_what_lande
     assert (send.outcome, send.blocks, send.request_id) == (sc.OUTCOME_OK, 3, ROOM)
     assert (receive.outcome, receive.blocks, receive.request_id) == (sc.OUTCOME_OK, 3, ROOM)
     assert cap.value("kvobs_nan_checks_total", path=sc.PATH_RECEIVE, result="clean") == 1
-    assert cap.value("kvobs_nan_checks_total", path=sc.PATH_SEND, result="clean") == 1
+    assert cap.value("kvobs_nan_checks_total", path=sc.PATH_SEND, result="clean") == 2  # at send, at conclusion
 
 
 def test_chunks_of_one_request_are_one_trace_and_only_sent_pages_are_checked(
@@ -132,6 +132,29 @@ def test_a_nan_send_is_not_queued_and_the_request_fails_on_both_nodes(observed: 
     transfer_error = engine.attr("sglang.srt.disaggregation.common.conn:KVTransferError")
     with pytest.raises(transfer_error, match="kvobs stopped the send"):
         nodes.sender.failure_exception()  # how SGLang's prefill scheduler aborts the request
+
+
+def test_a_nan_written_between_the_send_and_its_copy_fails_the_request_on_both_nodes(
+        observed: tuple[Any, Nodes], records: list, engine: Any) -> None:
+    cap, nodes = observed
+    queue = nodes.prefill.add_transfer_request
+
+    def written_while_queued(room: int, kv_indices: Any, *args: Any, **kwargs: Any) -> None:
+        nodes.prefill_pool.k_buffer[0][page_rows([4])[0]] = math.nan  # after send() checked it, before the copy
+        queue(room, kv_indices, *args, **kwargs)
+
+    nodes.prefill.add_transfer_request = written_while_queued
+    assert nodes.transfer(SOURCE_PAGES) == (nodes.poll.Failed, nodes.poll.Failed)
+    (send,) = _ended(records, sc.PATH_SEND)
+    assert send.outcome == sc.OUTCOME_ERROR and isinstance(send.error, CorruptKVError)
+    assert send.bad_block_ids == (4,)
+    (span,) = [s for s in cap.spans if s.name == "kvobs.send"]
+    assert list(span.attributes[sc.ATTR_BAD_BLOCK_IDS]) == [4]
+    transfer_error = engine.attr("sglang.srt.disaggregation.common.conn:KVTransferError")
+    with pytest.raises(transfer_error, match=r"NaN/Inf in the sent KV pages \[4\]"):
+        nodes.sender.failure_exception()  # how SGLang's prefill scheduler aborts the request
+    (receive,) = _ended(records, sc.PATH_RECEIVE)  # the decode node was told: it never uses the pages
+    assert receive.outcome == sc.OUTCOME_ERROR and isinstance(receive.error, CopyNotConfirmed)
 
 
 def test_a_nan_receive_is_not_handed_to_decode(observed: tuple[Any, Nodes], records: list, engine: Any) -> None:

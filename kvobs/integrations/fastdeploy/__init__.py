@@ -14,7 +14,7 @@ and returns an undo handle (call it, or `.undo()`, to restore the object exactly
     # prefill cache messager (CacheMessagerV1): early layer0 signals kept; IPC sends checked before launch
     msg_obs = kvobs.KVObserver("fd-messager", lock=None)  # sends stay open until their stream sync
     kvfd.bridge_cache_messager(messager, msg_obs.signal_buffer())  # StepAlignedSignalBuffer() per TP rank
-    kvfd.instrument_ipc_comm_manager(messager.messager["ipc"], msg_obs)
+    kvfd.instrument_ipc_comm_manager(messager.messager["ipc"], msg_obs, messager=messager)  # checked at sync too
     # one trace per request across prefill and decode (engine processes)
     kvfd.instrument_prefill_connector(prefill_splitwise_connector, engine_obs)
     receives = kvfd.instrument_decode_connector(decode_splitwise_connector, decode_engine_obs)
@@ -23,7 +23,7 @@ Nothing here imports FastDeploy or Paddle: the objects passed in are FastDeploy'
 """
 
 from kvobs import Instrumentation as Patches
-from kvobs.errors import LaunchFailed, SendFailed
+from kvobs.errors import CorruptLoad, LaunchFailed, SendFailed
 from kvobs.integrations.fastdeploy.engine import instrument_prefix_cache_manager
 from kvobs.integrations.fastdeploy.lock import FastDeployLock, gpu_cache_lock_path
 from kvobs.integrations.fastdeploy.messager import bridge_cache_messager
@@ -40,6 +40,7 @@ from kvobs.integrations.fastdeploy.worker import instrument_worker_process
 __all__ = [
     "TRACE_KEY",
     "WRITE_ERROR",
+    "CorruptLoad",
     "DecodeReceives",
     "FastDeployLock",
     "LaunchFailed",

@@ -7,6 +7,8 @@ span) that stays open under the task id until its done signal is read here, in b
 waits for that signal inside the call, `is_sync=False` returns at once. A read completes once every rank
 answered, with the shortest list of loaded blocks, as FastDeploy itself decides; a write-back on its first
 signal. A signal that never comes leaves the transfer to the observer's deadline (abandoned, lock released).
+A rank whose kvobs found the load corrupt answers with a `CorruptBlocks` list (empty, as FastDeploy reads it,
+naming the bad blocks): the engine's prefetch then ends in error with those blocks, not as a storage miss.
 """
 
 from __future__ import annotations
@@ -17,9 +19,25 @@ from typing import Any
 
 from kvobs import Instrumentation, KVObserver
 from kvobs import semconv as sc
+from kvobs.errors import CorruptLoad
 from kvobs.integrations._common import HookFailures
 
 READ_DONE, WRITE_DONE = "STORAGE2GPU", "GPU2STORAGE"  # CacheStatus member names in a done signal
+
+
+class CorruptBlocks(list):
+    """The block list of a read's done signal when the rank found the loaded blocks corrupt: empty (nothing
+    loaded, as FastDeploy reads it), with the bad block ids for the engine's observer. Pickled with the done
+    signal between processes: both run kvobs."""
+
+    def __init__(self, bad_block_ids: Any = ()) -> None:
+        super().__init__()
+        self.bad_block_ids = tuple(bad_block_ids)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.bad_block_ids,)
+
+
 _TASK_SPECS = {"keys": "task.keys", "block_ids": "task.gpu_block_ids", "request_id": "task.task_id",
                "complete_later": "task.task_id", "sync": "is_sync"}
 
@@ -87,12 +105,17 @@ class DoneSignals:
             self._obs.complete(sc.PATH_WRITE_BACK, task_id, moved=list(block_ids))
         elif kind == READ_DONE:
             _, task_id, _, block_ids = data
-            loaded = self._all_ranks_loaded(task_id, list(block_ids))
-            if loaded is not None:
-                self._obs.complete(sc.PATH_PREFETCH, task_id, moved=loaded)
+            answers = self._all_ranks_answered(task_id, block_ids)
+            if answers is None:
+                return
+            bad = sorted({i for answer in answers for i in getattr(answer, "bad_block_ids", ())})
+            if bad:
+                self._corrupt(task_id, tuple(bad))
+            else:
+                self._obs.complete(sc.PATH_PREFETCH, task_id, moved=list(min(answers, key=len)))
 
-    def _all_ranks_loaded(self, task_id: Any, block_ids: list[int]) -> list[int] | None:
-        """The blocks every rank loaded (the shortest list), once all ranks answered; None before."""
+    def _all_ranks_answered(self, task_id: Any, block_ids: list[int]) -> list[list[int]] | None:
+        """Every rank's answer, once all answered; None before."""
         with self._lock:
             if self._obs.open_transfer(sc.PATH_PREFETCH, task_id) is None:
                 self._reads.pop(task_id, None)  # ended already (abandoned): forget its late answers
@@ -102,4 +125,14 @@ class DoneSignals:
             if len(answers) < self._ranks():
                 return None
             del self._reads[task_id]
-        return min(answers, key=len)
+        return answers
+
+    def _corrupt(self, task_id: Any, bad: tuple[int, ...]) -> None:
+        """A rank found the load corrupt: the engine's transfer ends in error with the bad blocks."""
+        t = self._obs.open_transfer(sc.PATH_PREFETCH, task_id)
+        if t is None:
+            return
+        t.bad_block_ids = bad
+        if t.span is not None:
+            t.span.set_attribute(sc.ATTR_BAD_BLOCK_IDS, list(bad))
+        t.fail(CorruptLoad(task_id, bad))

@@ -12,9 +12,13 @@ barrier. A lock held up to the done signal would be held across the barrier: wit
 the ranks (FastDeploy's `gpu_cache_lock`), rank 0 would wait at the barrier holding it while rank 1 waits
 for it.
 
-Corrupt blocks never raise into the pool thread (the engine would wait for ever for a done signal): a
-corrupt read reports nothing loaded (`[]`), a corrupt write-back is not performed, and the done signal goes
-out saying so (its block list emptied). Blocks left out this way are in the transfer's `bad_block_ids`.
+Corrupt blocks never keep the done signal from going out (the engine would wait for ever). A corrupt read is
+a failed read: `_run_read_storage` raises `CorruptLoad`, FastDeploy's own failure path for a read
+(`read_storage_task` logs it and reports nothing loaded), the rank's transfer ends in error, and the done
+signal's empty block list is a `CorruptBlocks`, which tells the engine's observer (`engine.DoneSignals`) that
+the load was corrupt, not a storage miss: it ends in error there too, with the same bad blocks. A corrupt
+write-back is not performed (counted `rejected`) and its done signal says nothing was written. Bad blocks are
+in each transfer's `bad_block_ids` and on its span.
 """
 
 from __future__ import annotations
@@ -24,8 +28,9 @@ from collections.abc import Callable
 from typing import Any
 
 from kvobs import Instrumentation, KVObserver, Transfer
+from kvobs.errors import CorruptLoad
 from kvobs.integrations._common import HookFailures
-from kvobs.integrations.fastdeploy.engine import READ_DONE, WRITE_DONE
+from kvobs.integrations.fastdeploy.engine import READ_DONE, WRITE_DONE, CorruptBlocks
 from kvobs.integrations.fastdeploy.kvcache import LayerCaches
 
 _COPY_SPECS = {"keys": "k_cache_keys", "block_ids": "gpu_block_ids", "request_id": "task_id"}
@@ -41,7 +46,7 @@ def instrument_cache_transfer_manager(manager: Any, obs: KVObserver) -> Instrume
         return patches  # instrumented for this observer already
     caches = LayerCaches(lambda: (manager.gpu_cache_k_tensors, manager.gpu_cache_v_tensors))
     verdicts = Verdicts(HookFailures(obs))
-    read = obs.prefetch(cache=caches, result=list, on_corrupt=verdicts.nothing_loaded, **_COPY_SPECS)
+    read = obs.prefetch(cache=caches, result=list, on_corrupt=verdicts.corrupt_load, **_COPY_SPECS)
     write = obs.write_back(cache=caches, on_corrupt=verdicts.nothing_written, **_COPY_SPECS)
     patches.replace(manager, "_run_read_storage", read)  # the manager's bound copy keeps its `self`
     patches.replace(manager, "_run_write_back_storage", write)
@@ -53,21 +58,22 @@ class Verdicts:
     """Tasks whose copy kvobs left out because of corrupt blocks, until their done signal goes out."""
 
     def __init__(self, failed: HookFailures) -> None:
-        self._left_out: set[tuple[str, Any]] = set()
+        self._left_out: dict[tuple[str, Any], tuple[int, ...]] = {}
         self._lock = threading.Lock()
         self._failed = failed
 
-    def nothing_loaded(self, t: Transfer, bad_ids: tuple[int, ...]) -> list[int]:
-        self._record(READ_DONE, t.request_id)
-        return []
+    def corrupt_load(self, t: Transfer, bad_ids: tuple[int, ...]) -> list[int]:
+        """Fail the read the way FastDeploy fails one: `_run_read_storage` raises, nothing counts as loaded."""
+        self._record(READ_DONE, t.request_id, bad_ids)
+        raise CorruptLoad(t.request_id, tuple(bad_ids))
 
     def nothing_written(self, t: Transfer, bad_ids: tuple[int, ...]) -> int:
-        self._record(WRITE_DONE, t.request_id)
+        self._record(WRITE_DONE, t.request_id, bad_ids)
         return NOTHING_WRITTEN
 
-    def _record(self, kind: str, task_id: Any) -> None:
+    def _record(self, kind: str, task_id: Any, bad_ids: tuple[int, ...]) -> None:
         with self._lock:
-            self._left_out.add((kind, task_id))
+            self._left_out[(kind, task_id)] = tuple(bad_ids)
 
     def applied(self, put_done_signal: Callable[[Any], Any]) -> Callable[[Any], Any]:
         """Wrap `put_transfer_done_signal`: a task kvobs left out is reported with no blocks; always sent."""
@@ -86,7 +92,8 @@ class Verdicts:
         if kind not in (READ_DONE, WRITE_DONE):
             return result
         with self._lock:
-            left_out = (kind, result[1]) in self._left_out
-            self._left_out.discard((kind, result[1]))
-        return (*result[:-1], []) if left_out else result
+            bad_ids = self._left_out.pop((kind, result[1]), None)
+        if bad_ids is None:
+            return result
+        return (*result[:-1], CorruptBlocks(bad_ids) if kind == READ_DONE else [])
 

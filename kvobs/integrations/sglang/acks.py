@@ -23,9 +23,11 @@ from kvobs.errors import CopyNotConfirmed, KVObsError
 class AckWatcher:
     """Binds open transfers to the ack of the copy that moves them, and ends them when the ack leaves."""
 
-    def __init__(self, path: str, on_error: Callable[[str, BaseException], None]) -> None:
+    def __init__(self, path: str, on_error: Callable[[str, BaseException], None],
+                 verify: Callable[[Transfer], BaseException | None] | None = None) -> None:
         self.path = path
         self._on_error = on_error
+        self._verify = verify  # at the ack, what the copy moved: an error fails the transfer instead
         self._lock = threading.Lock()
         self._pending: list[Transfer] = []  # begun, their operation queued, no ack yet
         self._bound: dict[int, list[Transfer]] = {}  # id(ack) -> transfers it completes
@@ -77,21 +79,29 @@ class AckWatcher:
                     t.fail(error)
                 return
             for t in transfers:
-                _complete(t)
+                self._complete(t)
         except Exception as exc:  # noqa: BLE001 - runs inside SGLang's checks: never break them
             self._on_error("ack_consumed", exc)
+
+    def _complete(self, t: Transfer) -> None:
+        error = None
+        if self._verify is not None:
+            try:
+                error = self._verify(t)
+            except Exception as exc:  # noqa: BLE001 - a check that cannot run leaves the transfer to complete
+                self._on_error("ack_verify", exc)
+        if error is not None:
+            t.fail(error)
+            return
+        try:
+            t.complete()
+        except KVObsError:
+            pass  # a corrupt destination: recorded on the transfer (outcome error, CorruptKVError), counted, logged
 
     def open_transfers(self) -> list[Transfer]:
         with self._lock:
             bound = [t for ts in self._bound.values() for t in ts]
             return [t for t in self._pending + bound if t.outcome is None]
-
-
-def _complete(t: Transfer) -> None:
-    try:
-        t.complete()
-    except KVObsError:
-        pass  # a corrupt destination: recorded on the transfer (outcome error, CorruptKVError), counted, logged
 
 
 class AckList(list):

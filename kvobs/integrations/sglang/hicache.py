@@ -1,10 +1,15 @@
 """HiCache: SGLang's device <-> host KV copies as kvobs write-back and prefetch transfers.
 
-- `write(device_indices, ..., node_id)` starts the device -> host copy at once (its `start_writing()` runs
-  inside, unless a hybrid controller is told `flush=False`): the write-back transfer begins before it, so the
-  source pages are checked before any byte is copied. Corrupt sources (or a BlockLock that times out) are not
-  copied: `write` answers None, SGLang's own answer when host memory is full, and the node stays on the
-  device only. Nothing waits for an acknowledgement that will never come.
+- `write(device_indices, ..., node_id)` queues the device -> host copy (its `start_writing()` runs inside,
+  unless a hybrid controller is told `flush=False`; on a GPU the copy then runs on a stream): the write-back
+  transfer begins before it, so the source pages are checked before it is queued. Corrupt sources (or a
+  BlockLock that times out) are not copied: `write` answers None, SGLang's own answer when host memory is
+  full, and the node stays on the device only. Nothing waits for an acknowledgement that will never come.
+- At the write's acknowledgement the host pages it filled are checked: a NaN written into the device pages
+  after `write` and before the copy ran (with lock=None nothing keeps the forward pass out) lands there, and
+  only this check sees it. The write-back then ends in error (CorruptKVError, the host pages in
+  `bad_block_ids`). SGLang has no failure path for a finished write-through (its tree publishes the host copy
+  as the ack is taken), so the copy stays; a later load of it is checked at its destination again.
 - `load(host_indices, ..., node_id)` only allocates destination slots and queues the host -> device copy: the
   prefetch transfer begins when it returns (on the slots it returned), its copy starts in `start_loading()`.
 - Both complete when SGLang takes the copy's acknowledgement off its list (`acks.AckList`): destinations of a
@@ -19,16 +24,16 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from kvobs import Instrumentation, KVObserver
+from kvobs import Instrumentation, KVObserver, Transfer
 from kvobs import semconv as sc
 from kvobs.errors import CopyNotConfirmed, CorruptKVError, KVObsError, LockTimeout
 from kvobs.integrations._common import HookFailures, require_sharing_lock
 from kvobs.integrations.sglang.acks import AckList, AckWatcher
 from kvobs.integrations.sglang.common import COPIES_IN_FLIGHT, node_id
-from kvobs.integrations.sglang.pages import PageIds, page_views
+from kvobs.integrations.sglang.pages import PageIds, host_page_views, page_views
 
 DEVICE_POOL = "device_pool"
 CacheOf = Callable[[Any], Any]
@@ -43,6 +48,8 @@ class ControllerState:
     bytes_per_slot: int | None
     writes: AckWatcher
     loads: AckWatcher
+    host_cache: Any = None  # the host pool as pages, where a write's copy lands
+    written: weakref.WeakKeyDictionary[Transfer, Any] = field(default_factory=weakref.WeakKeyDictionary)
 
     def nbytes(self, indices: Any) -> int | None:
         return None if self.bytes_per_slot is None else len(indices) * self.bytes_per_slot
@@ -78,9 +85,11 @@ class Controllers:
 
     def _attach(self, controller: Any) -> ControllerState:
         ids = PageIds(self.obs.page_size, controller.page_size)
-        writes = AckWatcher(sc.PATH_WRITE_BACK, self._errors)
+        writes = AckWatcher(sc.PATH_WRITE_BACK, self._errors, verify=lambda t: self._host_copy_corrupt(state, t))
         loads = AckWatcher(sc.PATH_PREFETCH, self._errors)
-        state = ControllerState(ids, self._cache_for(controller), _bytes_per_slot(controller), writes, loads)
+        cache = self._cache_for(controller)
+        state = ControllerState(ids, cache, _bytes_per_slot(controller), writes, loads,
+                                host_cache=None if cache is None else self._host_cache(controller))
         controller.ack_write_queue = AckList(controller.ack_write_queue, writes)
         controller.ack_load_queue = AckList(controller.ack_load_queue, loads)
         self._states[controller] = state
@@ -95,6 +104,21 @@ class Controllers:
         if views is None:
             self.obs.logger.warning("kvobs.sglang: HiCache copies observed without NaN/Inf checks", reason=why)
         return views
+
+    def _host_cache(self, controller: Any) -> Any:
+        views, why = host_page_views(controller.mem_pool_host, controller.page_size)
+        if views is None:
+            self.obs.logger.warning("kvobs.sglang: write-backs not checked on the host at their ack", reason=why)
+        return views
+
+    @staticmethod
+    def _host_copy_corrupt(state: ControllerState, t: Transfer) -> BaseException | None:
+        """At the write's ack: the host pages it filled, checked; the error that fails it, or None."""
+        host_indices = state.written.pop(t, None)
+        if host_indices is None or state.host_cache is None:
+            return None
+        found = t.check_copied(state.host_cache, state.ids.from_slots(host_indices))
+        return None if found is None else CorruptKVError(sc.PATH_WRITE_BACK, found)
 
     def write(self, original: Callable[..., Any], controller: Any, device_indices: Any, *args: Any,
               **kwargs: Any) -> Any:
@@ -119,6 +143,8 @@ class Controllers:
         if host_indices is None:
             state.writes.unqueued(t)
             t.fail(CopyNotConfirmed(sc.PATH_WRITE_BACK, "SGLang had no host memory for it: nothing was copied"))
+        else:
+            state.written[t] = host_indices
         return host_indices
 
     def load(self, original: Callable[..., Any], controller: Any, host_indices: Any, *args: Any,

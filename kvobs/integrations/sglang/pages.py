@@ -63,3 +63,27 @@ def page_views(pool: Any, page_size: int) -> tuple[list[Any] | None, str]:
             return None, f"a KV tensor of shape {tuple(tensor.shape)} is not contiguous pages of {page_size} slots"
         views.append(tensor.view(rows // page_size, page_size, *tensor.shape[1:]))
     return checkable(views)
+
+
+def host_page_views(host_pool: Any, page_size: int) -> tuple[list[Any] | None, str]:
+    """(an SGLang host pool's KV viewed as [pages, page_size, ...] per layer, or None; why not). The MHA host
+    pool keeps K and V as one tensor each (the MLA pool one `kv_buffer`), [layers, slots, ...] in its
+    "layer_first" layout (its `kv_buffer` holding both is not read twice); a hybrid
+    controller's `HostPoolGroup` is read through its anchor entry. Other layouts are left unchecked."""
+    anchor = getattr(host_pool, "anchor_entry", None)
+    pool = anchor.host_pool if anchor is not None else host_pool
+    layout = getattr(pool, "layout", None)
+    if layout != "layer_first":
+        return None, f"the host {layout!r} layout is not indexed by token slot per layer (only 'layer_first' is)"
+    views = []
+    names = ("k_buffer", "v_buffer") if getattr(pool, "k_buffer", None) is not None else ("kv_buffer",)  # MHA, MLA
+    for name in names:
+        tensor = getattr(pool, name, None)
+        if tensor is None:
+            continue
+        if tensor.dim() < 2 or tensor.shape[1] % page_size or not tensor.is_contiguous():
+            return None, f"a host KV tensor of shape {tuple(tensor.shape)} is not contiguous pages of {page_size} slots"
+        views.extend(tensor.view(tensor.shape[0], tensor.shape[1] // page_size, page_size, *tensor.shape[2:]).unbind(0))
+    if not views:
+        return None, f"{type(pool).__name__} has no k_buffer/v_buffer/kv_buffer tensors"
+    return checkable(views)

@@ -16,9 +16,10 @@ from kvobs.integrations.sglang.pd_send import Senders
 def instrument_pd(obs: KVObserver, *, cache: Any = None) -> Instrumentation:
     """Observe SGLang's PD transfers in this process (prefill, decode, or both):
 
-    - prefill: each `CommonKVSender.send` chunk is a send transfer (sources checked before it is queued),
-      completed when `poll()` reports Success, failed on Failed or `abort()`; the request's trace context
-      rides on the status message to decode;
+    - prefill: each `CommonKVSender.send` chunk is a send transfer (sources checked before it is queued, and
+      again when the backend concludes the room: corrupt then, the room fails), completed when `poll()`
+      reports Success, failed on Failed or `abort()`; the request's trace context rides on the status
+      message to decode;
     - decode: the pages named by `CommonKVReceiver.send_metadata` become a receive transfer when `poll()`
       reports Success, continuing the prefill's trace, destinations checked before decode uses them.
 
@@ -45,6 +46,7 @@ def instrument_pd(obs: KVObserver, *, cache: Any = None) -> Instrumentation:
             patches.wrap_method(CommonKVSender, name, hook)
         patches.wrap_method(CommonKVReceiver, "send_metadata", receivers.send_metadata)
         patches.wrap_method(CommonKVReceiver, "poll", receivers.poll)
+        patches.wrap_method(CommonKVManager, "conclude_transfer", senders.conclude)
         patches.wrap_method(CommonKVManager, "_encode_kv_status_message", senders.encode)
         patches.wrap_method(CommonKVManager, "parse_kv_status_message", receivers.parse)
     except BaseException:

@@ -10,6 +10,13 @@ first chunk's span, whose carrier also travels to decode (`carrier`).
 Corrupt source pages (or a BlockLock timing out) are not queued: the room is failed through SGLang's own
 path (`kv_mgr.conclude_failure`: failure recorded, status Failed, decode told), so the prefill scheduler
 aborts the request at its next poll and the decode side stops waiting. Nothing hangs.
+
+The copy runs later, on the backend's thread, so a NaN written into a page after `send` checked it and before
+the copy (lock=None keeps nobody out) would go to decode. When the backend concludes the room with Success
+(`conclude_transfer`, before SGLang tells anyone), the room's sent pages are checked again: corrupt ones turn
+the conclusion into Failed with kvobs's reason, so both nodes fail the request through SGLang's path, and the
+sends end in error (CorruptKVError). This sees what is still in the pages when the copy is done; a page
+changed back before that, or garbled on the wire, is the decode side's check (`pd_receive`).
 """
 
 from __future__ import annotations
@@ -85,6 +92,30 @@ class Senders(RoomHooks):
                 manager.update_status(room, self._failed)
         except Exception as error:  # noqa: BLE001
             self._errors("send_stop", error)
+
+    def conclude(self, original: Callable[..., Any], manager: Any, *args: Any, **kwargs: Any) -> Any:
+        """`conclude_transfer`: a Success whose sent pages are corrupt now is concluded as Failed instead."""
+        try:
+            if kwargs.get("status") == self._success:
+                reason = self._sent_corrupt(manager, kwargs.get("bootstrap_room"))
+                if reason is not None:
+                    kwargs = {**kwargs, "status": self._failed, "failure_reason": reason}
+        except Exception as exc:  # noqa: BLE001 - on the backend's transfer thread
+            self._errors("send_conclude", exc)
+        return original(manager, *args, **kwargs)
+
+    def _sent_corrupt(self, manager: Any, room: Any) -> str | None:
+        """Check the room's open sends on their sources again; fail the corrupt ones. The reason, or None."""
+        with self._lock:
+            transfers = [t for sender, state in self._states.items()
+                         if sender.kv_mgr is manager and sender.bootstrap_room == room for t in state.transfers]
+        bad: list[int] = []
+        for t in transfers:
+            found = t.check_copied() if t.outcome is None else None
+            if found is not None:
+                t.fail(CorruptKVError(sc.PATH_SEND, found))
+                bad.extend(found.bad_block_ids)
+        return f"kvobs found NaN/Inf in the sent KV pages {sorted(bad)[:8]}" if bad else None
 
     def poll(self, original: Callable[..., Any], sender: Any, *args: Any, **kwargs: Any) -> Any:
         status = original(sender, *args, **kwargs)

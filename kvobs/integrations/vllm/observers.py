@@ -78,10 +78,8 @@ def _clear_dead_processes(obs: Any) -> None:
     core's loads would stay in flight on `/metrics` (and its oldest-open age fire the stuck-transfer alert)
     for as long as the directory lives, e.g. across a container restart. The next engine process to start
     clears them."""
-    from kvobs.telemetry.multiprocess import clear_dead_processes, multiprocess_enabled
+    from kvobs import clear_dead_processes
 
-    if not multiprocess_enabled():
-        return
     try:
         dead = clear_dead_processes()
     except OSError as exc:
