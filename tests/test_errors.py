@@ -20,7 +20,7 @@ SAMPLES = {
     "consequence": "not recorded", "in_use": 40, "target": "HiCacheController", "method": "write",
     "owner": "observer 'sglang'", "integration": "instrument_hicache", "lock": "ThreadLock('thread')",
     "why": "SGLang keeps many copies in flight", "key": ("job", 7), "remote_gpu_id": 1, "layer_idx": 3, "code": 1,
-    "request_id": "req-1", "status": "write cache error",
+    "request_id": "req-1", "status": "write cache error", "task_id": "task-1", "bad_block_ids": (6, 7),
 }
 ERROR_CLASSES = [cls for _, cls in inspect.getmembers(errors, inspect.isclass)
                  if issubclass(cls, errors.KVObsError) and cls.__module__ == errors.__name__]
