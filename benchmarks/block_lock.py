@@ -46,10 +46,10 @@ from collections.abc import Callable
 from itertools import pairwise
 from typing import Any
 
-from kvobs import ofd
-from kvobs.atomic import release_now
-from kvobs.block_lock import BlockLock
-from kvobs.locks import Claim
+from kvobs._runtime.atomic import release_now
+from kvobs.locks import _ofd as ofd
+from kvobs.locks._block_lock import BlockLock
+from kvobs.locks._cache_lock import Claim
 
 NUM_BLOCKS = 4096
 STEP_S = 1e-3

@@ -19,14 +19,14 @@ import time
 from bisect import bisect_left
 from collections.abc import Callable
 
+from _timing import medians, per_round, rounds_ns
 from opentelemetry import trace as otel_trace
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from _timing import medians, per_round, rounds_ns
 from kvobs import semconv as sc
-from kvobs.telemetry.engine_metrics import EngineMetrics
-from kvobs.telemetry.families import MetricFamilies
-from kvobs.telemetry.path_metrics import PathMetrics
+from kvobs.telemetry._metrics.engine_metrics import EngineMetrics
+from kvobs.telemetry._metrics.families import MetricFamilies
+from kvobs.telemetry._metrics.path_metrics import PathMetrics
 
 OK = sc.OUTCOME_OK
 EXEMPLAR = {"trace_id": "0af7651916cd43dd8448eb211c80319c", "span_id": "b7ad6b7169203331"}

@@ -1,6 +1,6 @@
 """Multiprocess mode: what kvobs's space check costs per write, against prometheus_client's child written bare.
 
-kvobs writes its multiprocess series through CounterSeries / HistogramSeries (kvobs/telemetry/multiprocess.py),
+kvobs writes its multiprocess series through CounterSeries / HistogramSeries (kvobs/telemetry/_metrics/multiprocess.py),
 which first check that this process's files have their space (a full directory would otherwise kill it with
 SIGBUS). Ratios are taken within each round (benchmarks/_timing.py). Runs in a temporary
 PROMETHEUS_MULTIPROC_DIR of its own, set before prometheus_client is imported.
@@ -17,10 +17,10 @@ import tempfile
 _DIR = tempfile.TemporaryDirectory(prefix="kvobs-bench-mp-")
 os.environ["PROMETHEUS_MULTIPROC_DIR"] = _DIR.name
 
+from _timing import medians, per_round, rounds_ns  # noqa: E402
 from prometheus_client import Counter, Histogram  # noqa: E402 - after the variable, as multiprocess mode needs
 
-from _timing import medians, per_round, rounds_ns  # noqa: E402
-from kvobs.telemetry.multiprocess import ReservedMetric  # noqa: E402
+from kvobs.telemetry._metrics.multiprocess import ReservedMetric  # noqa: E402
 
 
 def main() -> None:

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+from _timing import medians, per_round, rounds_ns
 from opentelemetry import trace as otel_trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import (
@@ -35,9 +36,7 @@ from opentelemetry.sdk.trace.export import (
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 from prometheus_client import CollectorRegistry, Histogram
 
-
 import kvobs
-from _timing import medians, per_round, rounds_ns
 from kvobs import semconv as sc
 from kvobs.policy import IntegrityPolicy
 
@@ -141,7 +140,7 @@ def kvobs_cases(providers: dict[str, TracerProvider]) -> dict[str, Callable[[int
     block_bytes = small_cache[0].nbytes
 
     def as_integrations_call(check: Any) -> Callable[[], None]:
-        """What `kvobs.integrations.vllm.transfers.Transfers` does per transfer: begin under a key with a request
+        """What `kvobs.integrations.vllm._transfers.Transfers` does per transfer: begin under a key with a request
         id, 16 block ids, their bytes and the cache to check (or `check=False` for a transfer the sampler
         leaves out), then find it by key and complete it."""
 

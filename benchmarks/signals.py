@@ -27,9 +27,9 @@ from prometheus_client import CollectorRegistry
 
 from kvobs import semconv as sc
 from kvobs.signals import EarlySignalBuffer, SignalBufferFull, StepAlignedSignalBuffer
-from kvobs.signals.core import held
-from kvobs.telemetry.engine_metrics import EngineMetrics
-from kvobs.telemetry.families import MetricFamilies
+from kvobs.signals._core import held
+from kvobs.telemetry._metrics.engine_metrics import EngineMetrics
+from kvobs.telemetry._metrics.families import MetricFamilies
 
 TARGET_RATIO = 2.0
 ENGINE = "bench"

@@ -14,11 +14,11 @@ import argparse
 import os
 from collections.abc import Callable
 
+from _timing import medians, per_round, rounds_ns
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
 
-from _timing import medians, per_round, rounds_ns
-from kvobs.telemetry.trace_ids import UNIQUE_IDS
+from kvobs.telemetry._trace_ids import UNIQUE_IDS
 
 
 class UrandomIdGenerator(IdGenerator):

@@ -82,9 +82,10 @@ class Timers:
 
 def install_timers() -> Timers:
     """Time kvobs's per-transfer and per-step code in this (wrapped) engine process."""
-    from kvobs.integrations.vllm import transfers, worker
-
-    from kvobs import observer, transfer
+    from kvobs import observer
+    from kvobs._lifecycle import transfer
+    from kvobs.integrations.vllm import _transfers as transfers
+    from kvobs.integrations.vllm import _worker as worker
 
     timers = Timers()
     for name in ("begin", "complete"):
@@ -102,7 +103,7 @@ STEP_CALLS = ("bound", "cleared", "loading", "saving", "saved", "results", "fini
 
 def install_check_timer(timers: Timers) -> None:
     """Time the NaN/Inf check itself (and count the bytes it read)."""
-    from kvobs import transfer_checks
+    from kvobs._lifecycle import checks as transfer_checks
 
     original = transfer_checks.replacement
 
@@ -116,7 +117,7 @@ def install_check_timer(timers: Timers) -> None:
             if t.cache is not None and blocks is not None:
                 timers.bytes_checked += len(blocks.distinct) * sum(view[0].nbytes for view in t.cache)
 
-    transfer_checks.replacement = replacement  # kvobs.transfer calls it through the module
+    transfer_checks.replacement = replacement  # kvobs._lifecycle.transfer calls it through the module
 
 
 def serve(wrapped: bool, model: str) -> None:

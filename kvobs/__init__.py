@@ -4,7 +4,8 @@ The public names, nothing else. Importing kvobs changes no process-wide telemetr
 import torch.
 """
 
-from kvobs.block_lock import BlockLock
+from kvobs._lifecycle.transfer import Transfer
+from kvobs._version import __version__ as __version__
 from kvobs.errors import (
     AlreadyInstrumented,
     CorruptKVError,
@@ -22,17 +23,16 @@ from kvobs.errors import (
 from kvobs.guard import Guard
 from kvobs.instrument import Instrumentation, instrument
 from kvobs.integrity import CheckResult, check_blocks
-from kvobs.locks import NullLock, ProcessLock, ThreadLock
+from kvobs.locks._block_lock import BlockLock
+from kvobs.locks._cache_lock import NullLock, ProcessLock, ThreadLock
 from kvobs.observer import KVObserver
 from kvobs.policy import IntegrityPolicy
 from kvobs.signals import EarlySignalBuffer, Progress, ReadySignal, StepAlignedSignalBuffer
-from kvobs.telemetry.exposition import start_metrics_server
-from kvobs.telemetry.multiprocess import clear_dead_processes
-from kvobs.telemetry.logs import add_trace_context
-from kvobs.telemetry.recorder import TransferRecord
-from kvobs.telemetry.tracing import configure_tracing
-from kvobs.transfer import Transfer
-from kvobs.version import __version__ as __version__
+from kvobs.telemetry._logs import add_trace_context
+from kvobs.telemetry._metrics.exposition import start_metrics_server
+from kvobs.telemetry._metrics.multiprocess import clear_dead_processes
+from kvobs.telemetry._recorder import TransferRecord
+from kvobs.telemetry._tracing import configure_tracing
 
 __all__ = [
     "AlreadyInstrumented",

@@ -64,7 +64,7 @@ def otlp_url(text: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvobs.version import __version__
+    from kvobs._version import __version__
 
     parser = argparse.ArgumentParser(prog="kvobs", description="Safety and observability for KV-cache transfers.")
     parser.add_argument("--version", action="version", version=f"kvobs {__version__}")
@@ -135,9 +135,9 @@ def _demo(args: argparse.Namespace) -> int:
         args.parser.error("; ".join(problems))
     if importlib.util.find_spec("torch") is None:  # the simulated engine's KV cache is a torch tensor
         args.parser.exit(2, "kvobs demo needs torch, which is not installed: pip install 'kvobs[torch]'\n")
-    from kvobs.sim.demo import DemoOptions, run_demo, serve
-    from kvobs.sim.engine import SimulationFailed
-    from kvobs.sim.report import format_table
+    from kvobs.demo.app import DemoOptions, run_demo, serve
+    from kvobs.demo.engine import SimulationFailed
+    from kvobs.demo.report import format_table
 
     opts = DemoOptions(
         duration_s=_run_length(args), seed=args.seed, metrics_port=demo_metrics_port(args),

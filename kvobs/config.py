@@ -51,7 +51,7 @@ def seconds(what: str, value: float | None, env: str, default: float) -> float:
 
 def cache_lock(lock: Any) -> Any:
     """"thread" -> a ThreadLock, None -> a NullLock (observe only), else a kvobs lock (checked)."""
-    from kvobs.locks import NullLock, ThreadLock
+    from kvobs.locks._cache_lock import NullLock, ThreadLock
 
     chosen = ThreadLock() if lock == "thread" else NullLock() if lock is None else lock
     if not all(hasattr(chosen, a) for a in ("acquire_into", "overlaps", "held_for", "name")):

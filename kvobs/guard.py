@@ -1,13 +1,13 @@
 """Guards: decorators that turn each call of an engine method into one Transfer.
 
 `obs.prefetch(...)`, `obs.write_back(...)`, `obs.send(...)` and `obs.guard(path, ...)` return a `Guard`.
-Its specs name where the call's keys, block ids, cache, key, ... are found (see `kvobs.arguments`), compiled
+Its specs name where the call's keys, block ids, cache, key, ... are found (see `kvobs._lifecycle.arguments`), compiled
 once per decorated function. A call validates, takes the lock, checks the sources of a reading transfer,
 runs the function with the transfer's span current, then either completes the transfer (checking the
 destinations of a writing transfer) or, with `complete_later=`, leaves it open under its key until
 `obs.complete(path, key, ...)` ends it from wherever the engine learns the copy is done. A synchronous guard
 naming at most block ids, keys, `sync`, a byte count and a request id, on a ThreadLock or NullLock, holds the
-lock of its calls' transfers through the lifecycle's fast path (`kvobs.fast_lane`).
+lock of its calls' transfers through the lifecycle's fast path (`kvobs._lifecycle.fast_lane`).
 
 Generators and async generators are refused at decoration: a guard would cover only the creation of the
 generator object, not the copy it performs while iterated. A plain function that returns a coroutine is
@@ -24,14 +24,14 @@ from typing import Any
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from kvobs import fast_lane
-from kvobs.active import ACTIVE, with_added
-from kvobs.arguments import Resolver, SpecError, compile_specs
+from kvobs._lifecycle import fast_lane
+from kvobs._lifecycle.active import ACTIVE, with_added
+from kvobs._lifecycle.arguments import Resolver, SpecError, compile_specs
+from kvobs._lifecycle.fast_lane import refuse_awaitable
+from kvobs._lifecycle.route import Route
+from kvobs._lifecycle.transfer import UNSET, CorruptHandler, Transfer
 from kvobs.errors import TransferRejected
-from kvobs.fast_lane import refuse_awaitable
-from kvobs.route import Route
-from kvobs.telemetry.tracing import call_in_span
-from kvobs.transfer import UNSET, CorruptHandler, Transfer
+from kvobs.telemetry._tracing import call_in_span
 
 SPEC_FIELDS = ("keys", "block_ids", "requests", "sync", "cache", "nbytes", "request_id", "group_sizes",
                "complete_later", "trace_context")

@@ -2,7 +2,7 @@
 telemetry handles, and hands out guards and transfers.
 
 Every configuration problem is raised here, at construction, never at the first transfer. The observer
-only wires things together: the transfer lifecycle (`kvobs.transfer`) does the work, and telemetry is a
+only wires things together: the transfer lifecycle (`kvobs._lifecycle.transfer`) does the work, and telemetry is a
 layer below it.
 """
 
@@ -17,21 +17,21 @@ from prometheus_client import CollectorRegistry
 
 from kvobs import config
 from kvobs import semconv as sc
-from kvobs.cache_checks import CacheCheck
+from kvobs._lifecycle.cache_checks import CacheCheck
+from kvobs._lifecycle.checks import UNSET
+from kvobs._lifecycle.open_transfers import OpenTransfers
+from kvobs._lifecycle.route import Route
+from kvobs._lifecycle.transfer import CorruptHandler, Transfer
 from kvobs.errors import TransferRejected
 from kvobs.guard import Guard
-from kvobs.locks import CacheLock
-from kvobs.open_transfers import OpenTransfers
-from kvobs.route import Route
+from kvobs.locks._cache_lock import CacheLock
 from kvobs.signals import EarlySignalBuffer, StepAlignedSignalBuffer
-from kvobs.telemetry.engine_metrics import EngineMetrics
-from kvobs.telemetry.failures import STAGE_DEADLINE_THREAD, STAGE_HOOK, TelemetryFailures
-from kvobs.telemetry.families import MetricFamilies
-from kvobs.telemetry.logs import default_logger, level_number
-from kvobs.telemetry.recorder import Hook, Recorder
-from kvobs.telemetry.tracing import TracerSource
-from kvobs.transfer import CorruptHandler, Transfer
-from kvobs.transfer_checks import UNSET
+from kvobs.telemetry._failures import STAGE_DEADLINE_THREAD, STAGE_HOOK, TelemetryFailures
+from kvobs.telemetry._logs import default_logger, level_number
+from kvobs.telemetry._metrics.engine_metrics import EngineMetrics
+from kvobs.telemetry._metrics.families import MetricFamilies
+from kvobs.telemetry._recorder import Hook, Recorder
+from kvobs.telemetry._tracing import TracerSource
 
 # What `begin` / `transfer` take beside the path (see Transfer and Transfer.validate).
 _TRANSFER_VALUES = frozenset(("block_ids", "requests", "keys", "cache", "nbytes", "request_id", "key",

@@ -8,7 +8,8 @@ import contextlib
 import pytest
 import torch
 
-from kvobs.integrity import CheckResult, check_blocks, kernel
+from kvobs.integrity import CheckResult, check_blocks
+from kvobs.integrity import _kernel as kernel
 
 FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz, torch.float8_e8m0fnu]

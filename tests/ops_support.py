@@ -426,7 +426,7 @@ def exposed_series() -> dict[str, tuple[set[str], str]]:
     histogram -> `_bucket/_sum/_count` + `le`) come from the code, and checked against semconv.METRIC_LABELS.
     Every series also carries `job` and `instance` (added by Prometheus).
     """
-    from kvobs.telemetry.families import MetricFamilies
+    from kvobs.telemetry._metrics.families import MetricFamilies
 
     registry = CollectorRegistry()
     MetricFamilies.of(registry)

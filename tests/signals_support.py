@@ -6,8 +6,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry
 
 from kvobs import semconv as sc
-from kvobs.telemetry.engine_metrics import EngineMetrics
-from kvobs.telemetry.families import MetricFamilies
+from kvobs.telemetry._metrics.engine_metrics import EngineMetrics
+from kvobs.telemetry._metrics.families import MetricFamilies
 
 ENGINE = "test"
 

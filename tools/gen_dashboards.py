@@ -7,7 +7,7 @@
 The SDK's types follow Grafana's own schema (panel options, field config, Prometheus queries, variables), so a
 misspelt option is a Python error here instead of a setting Grafana silently drops. Metric and label names come
 from kvobs.semconv, so a rename in the contract is followed here. The SDK is in the `test` extra;
-tests/test_deploy_config.py fails when the committed JSON does not match this builder or Grafana's schema.
+tests/ops/test_deploy_config.py fails when the committed JSON does not match this builder or Grafana's schema.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ copied once into a scratch directory, and each mutant is written there, with a f
 stale bytecode (or numba cache) of an earlier mutant is reused. The tests run with the scratch copy first
 on PYTHONPATH, so subprocesses they spawn import the mutant too.
 
-    .venv/bin/python tools/mutate.py --module kvobs/validation.py --sample 40 --seed 1
+    .venv/bin/python tools/mutate.py --module kvobs/_lifecycle/validation.py --sample 40 --seed 1
     .venv/bin/python tools/mutate.py --all --sample 35 --seed 1 --json /tmp/mutation.json
     .venv/bin/python tools/mutate.py --module kvobs/policy.py --list          # the sample, nothing run
     .venv/bin/python tools/mutate.py --module kvobs/policy.py --ids 3,17      # rerun chosen mutants
@@ -47,52 +47,52 @@ ROOT = Path(__file__).resolve().parent.parent
 # together) -> the test files that exercise it, the quickest and most telling first (pytest -x stops at the
 # first failure). The comma groups are the parts split out of a core module since the issue listed them.
 MODULE_TESTS: dict[str, list[str]] = {
-    "kvobs/validation.py": [
-        "tests/test_validation.py", "tests/test_batches.py", "tests/test_integrity_wiring.py",
+    "kvobs/_lifecycle/validation.py": [
+        "tests/lifecycle/test_validation.py", "tests/lifecycle/test_batches.py", "tests/integrity/test_integrity_wiring.py",
     ],
     "kvobs/policy.py": [
-        "tests/test_integrity_wiring.py", "tests/test_integrity.py",
+        "tests/integrity/test_integrity_wiring.py", "tests/integrity/test_integrity.py",
     ],
-    "kvobs/atomic.py": [
-        "tests/test_locks.py", "tests/test_lifecycle_reliability.py", "tests/test_block_lock.py",
+    "kvobs/_runtime/atomic.py": [
+        "tests/locks/test_locks.py", "tests/lifecycle/test_lifecycle_reliability.py", "tests/locks/test_block_lock.py",
     ],
-    "kvobs/locks.py": [
-        "tests/test_locks.py", "tests/test_guard.py", "tests/test_async.py", "tests/test_lifecycle_reliability.py",
+    "kvobs/locks/_cache_lock.py": [
+        "tests/locks/test_locks.py", "tests/lifecycle/test_guard.py", "tests/lifecycle/test_async.py", "tests/lifecycle/test_lifecycle_reliability.py",
     ],
-    "kvobs/block_lock.py": [
-        "tests/test_block_lock.py", "tests/test_block_lock_model.py", "tests/test_block_lock_processes.py",
+    "kvobs/locks/_block_lock.py": [
+        "tests/locks/test_block_lock.py", "tests/locks/test_block_lock_model.py", "tests/locks/test_block_lock_processes.py",
     ],
-    "kvobs/block_plan.py,kvobs/block_descriptions.py,kvobs/block_claim.py": [
-        "tests/test_block_lock.py", "tests/test_block_lock_model.py", "tests/test_block_lock_processes.py",
-        "tests/test_block_lock_storm.py",
+    "kvobs/locks/_block_plan.py,kvobs/locks/_block_descriptions.py,kvobs/locks/_block_claim.py": [
+        "tests/locks/test_block_lock.py", "tests/locks/test_block_lock_model.py", "tests/locks/test_block_lock_processes.py",
+        "tests/locks/test_block_lock_storm.py",
     ],
-    "kvobs/polling.py,kvobs/forks.py": [
-        "tests/test_locks.py", "tests/test_block_lock.py", "tests/test_block_lock_processes.py",
-        "tests/test_signals.py",
+    "kvobs/locks/_polling.py,kvobs/_runtime/forks.py": [
+        "tests/locks/test_locks.py", "tests/locks/test_block_lock.py", "tests/locks/test_block_lock_processes.py",
+        "tests/signals/test_signals.py",
     ],
-    "kvobs/transfer.py,kvobs/transfer_checks.py": [
-        "tests/test_guard.py", "tests/test_async.py", "tests/test_faults.py", "tests/test_validation.py",
-        "tests/test_async_engines.py", "tests/test_lifecycle_reliability.py", "tests/test_batches.py",
-        "tests/test_integrity_wiring.py", "tests/test_trace_propagation.py",
+    "kvobs/_lifecycle/transfer.py,kvobs/_lifecycle/checks.py": [
+        "tests/lifecycle/test_guard.py", "tests/lifecycle/test_async.py", "tests/lifecycle/test_faults.py", "tests/lifecycle/test_validation.py",
+        "tests/lifecycle/test_async_engines.py", "tests/lifecycle/test_lifecycle_reliability.py", "tests/lifecycle/test_batches.py",
+        "tests/integrity/test_integrity_wiring.py", "tests/telemetry/test_trace_propagation.py",
     ],
-    "kvobs/fast_lane.py,kvobs/lane_values.py": [
-        "tests/test_fast_lane.py", "tests/test_guard.py", "tests/test_faults.py", "tests/test_lifecycle_reliability.py",
+    "kvobs/_lifecycle/fast_lane.py,kvobs/lane_values.py": [
+        "tests/lifecycle/test_fast_lane.py", "tests/lifecycle/test_guard.py", "tests/lifecycle/test_faults.py", "tests/lifecycle/test_lifecycle_reliability.py",
     ],
     "kvobs/guard.py": [
-        "tests/test_guard.py", "tests/test_async.py", "tests/test_faults.py", "tests/test_lifecycle_reliability.py",
-        "tests/test_batches.py", "tests/test_integrity_wiring.py", "tests/test_validation.py",
+        "tests/lifecycle/test_guard.py", "tests/lifecycle/test_async.py", "tests/lifecycle/test_faults.py", "tests/lifecycle/test_lifecycle_reliability.py",
+        "tests/lifecycle/test_batches.py", "tests/integrity/test_integrity_wiring.py", "tests/lifecycle/test_validation.py",
     ],
-    "kvobs/active.py,kvobs/route.py": [
-        "tests/test_guard.py", "tests/test_faults.py", "tests/test_lifecycle_reliability.py", "tests/test_async.py",
-        "tests/test_batches.py", "tests/test_integrity_wiring.py",
+    "kvobs/_lifecycle/active.py,kvobs/_lifecycle/route.py": [
+        "tests/lifecycle/test_guard.py", "tests/lifecycle/test_faults.py", "tests/lifecycle/test_lifecycle_reliability.py", "tests/lifecycle/test_async.py",
+        "tests/lifecycle/test_batches.py", "tests/integrity/test_integrity_wiring.py",
     ],
     "kvobs/signals": [
-        "tests/test_signals.py", "tests/test_signals_bounds.py", "tests/test_signals_step_aligned.py",
-        "tests/test_signals_ratelimit.py", "tests/test_signals_interrupts.py",
+        "tests/signals/test_signals.py", "tests/signals/test_signals_bounds.py", "tests/signals/test_signals_step_aligned.py",
+        "tests/signals/test_signals_ratelimit.py", "tests/signals/test_signals_interrupts.py",
     ],
     "kvobs/integrity": [
-        "tests/test_integrity.py", "tests/test_integrity_kernel.py", "tests/test_integrity_validation.py",
-        "tests/test_integrity_dlpack.py", "tests/test_integrity_wiring.py",
+        "tests/integrity/test_integrity.py", "tests/integrity/test_integrity_kernel.py", "tests/integrity/test_integrity_validation.py",
+        "tests/integrity/test_integrity_dlpack.py", "tests/integrity/test_integrity_wiring.py",
     ],
 }
 
@@ -107,58 +107,58 @@ _EXPLICIT = "a default no caller uses: start() and both guard wrappers pass skip
 _ONE_TOKEN = "the end token is an iterator over one item: taking up to 2 takes the same one"
 _CONSUMED = "the deque only consumes the undo steps and is thrown away; any maxlen runs every step"
 EQUIVALENT: dict[tuple[str, str, str, str], str] = {
-    ("kvobs/atomic.py", "one_shot_release",
+    ("kvobs/_runtime/atomic.py", "one_shot_release",
      "return functools.partial(deque, map(CALL, chain(held, (held.clear,))), 0)", "0 -> 1"): _CONSUMED,
-    ("kvobs/atomic.py", "release_now", "deque(map(CALL, chain(held, (held.clear,))), 0)", "0 -> 1"): _CONSUMED,
-    ("kvobs/locks.py", "_ExclusiveLock.__enter__", "raise LockTimeout(self.name, self.timeout or 0.0)",
+    ("kvobs/_runtime/atomic.py", "release_now", "deque(map(CALL, chain(held, (held.clear,))), 0)", "0 -> 1"): _CONSUMED,
+    ("kvobs/locks/_cache_lock.py", "_ExclusiveLock.__enter__", "raise LockTimeout(self.name, self.timeout or 0.0)",
      "operand 2 of 'or' removed"):
         "only a timeout of 0 gets here (None waits until acquired): 0 and 0.0 compare and print the same",
-    ("kvobs/locks.py", "<module>", "_FIRST_SLEEP_S = 50e-6", "5e-05 -> 0.0"):
+    ("kvobs/locks/_cache_lock.py", "<module>", "_FIRST_SLEEP_S = 50e-6", "5e-05 -> 0.0"):
         "performance only: a first pause of 0 turns the back-off into a busy poll with the same results",
-    ("kvobs/block_plan.py", "BlockPlanner.plan", _ONE_RUN_TEST, "condition -> False"): _ONE_RUN,
-    ("kvobs/block_plan.py", "BlockPlanner.plan", _ONE_RUN_TEST, "1 -> 2"):
+    ("kvobs/locks/_block_plan.py", "BlockPlanner.plan", _ONE_RUN_TEST, "condition -> False"): _ONE_RUN,
+    ("kvobs/locks/_block_plan.py", "BlockPlanner.plan", _ONE_RUN_TEST, "1 -> 2"):
         _ONE_RUN + " (sorted distinct ids never span count - 2, so the fast path is never taken)",
-    ("kvobs/block_plan.py", "BlockPlanner.locked_blocks", "return set(claim.blocks)", "statement removed"):
+    ("kvobs/locks/_block_plan.py", "BlockPlanner.locked_blocks", "return set(claim.blocks)", "statement removed"):
         "the no-gap fast path: without bridging, the plan's runs are exactly the claim's blocks (whole-cache "
         "claims never get here: overlaps() answers them first)",
-    ("kvobs/block_plan.py", "BlockPlanner._runs", "if block < expected:", "'<' -> '<='"):
+    ("kvobs/locks/_block_plan.py", "BlockPlanner._runs", "if block < expected:", "'<' -> '<='"):
         "only reached when block != expected",
-    **{("kvobs/fast_lane.py", where, "if async_wait.waiting:", "condition -> True"):
+    **{("kvobs/_lifecycle/fast_lane.py", where, "if async_wait.waiting:", "condition -> True"):
        "performance only: with no coroutine waiting, wake_waiters finds no waiters and does nothing"
        for where in ("fast_call.guarded", "_record")},
     ("kvobs/lane_values.py", "lane_values.values",
      "return None  # (said outright: falling off the end would return None too)", "statement removed"):
         "the function ends there: without the return it returns None all the same",
-    ("kvobs/fast_lane.py", "Slot.expired_keys",
+    ("kvobs/_lifecycle/fast_lane.py", "Slot.expired_keys",
      "return keys if keys and self.t_begin + self.route.deadline_s <= now else []", "'<=' -> '<'"):
         "a deadline met to the exact float by a polling thread: '<' abandons the same call one poll later",
-    ("kvobs/active.py", "<module>",
+    ("kvobs/_lifecycle/active.py", "<module>",
      'ACTIVE: ContextVar[tuple[Any, ...]] = ContextVar("kvobs_active_transfers", default=())',
      "'kvobs_active_transfers' -> 'XXkvobs_active_transfersXX'"): "a context variable's name only shows in its repr",
-    ("kvobs/active.py", "with_added", _WITH_ADDED, "condition -> True"):
+    ("kvobs/_lifecycle/active.py", "with_added", _WITH_ADDED, "condition -> True"):
         "the empty-context fast path: () + (t,) is (t,)",
-    ("kvobs/active.py", "forget", "if t in active:", "condition -> True"):
+    ("kvobs/_lifecycle/active.py", "forget", "if t in active:", "condition -> True"):
         "setting the context to the same transfers again changes nothing",
-    ("kvobs/route.py", "Route", "@dataclass(eq=False)", "False -> True"):
+    ("kvobs/_lifecycle/route.py", "Route", "@dataclass(eq=False)", "False -> True"):
         "nothing compares or hashes routes (a transfer finds its lock through `route.lock is`)",
-    ("kvobs/transfer.py", "Transfer.validate",
+    ("kvobs/_lifecycle/transfer.py", "Transfer.validate",
      "if block_ids is UNSET and requests is UNSET and sync is None and self.keys is None \\", "condition -> False"):
         "the nothing-given fast path: the full checks of no inputs end in the same whole-cache claim",
-    ("kvobs/transfer.py", "Transfer.acquire", "def acquire(self, *, skippable: bool = False) -> None:",
+    ("kvobs/_lifecycle/transfer.py", "Transfer.acquire", "def acquire(self, *, skippable: bool = False) -> None:",
      "False -> True"): _EXPLICIT,
-    ("kvobs/transfer.py", "Transfer.acquire_async",
+    ("kvobs/_lifecycle/transfer.py", "Transfer.acquire_async",
      "async def acquire_async(self, *, skippable: bool = False) -> None:", "False -> True"): _EXPLICIT,
-    **{("kvobs/transfer.py", f"Transfer.{ending}", "mine.extend(islice(self._ending, 1))", "1 -> 2"): _ONE_TOKEN
+    **{("kvobs/_lifecycle/transfer.py", f"Transfer.{ending}", "mine.extend(islice(self._ending, 1))", "1 -> 2"): _ONE_TOKEN
        for ending in ("reject", "_time_out", "complete", "fail", "_end_as")},
-    ("kvobs/validation.py", "resolve_requests", "raise", "statement removed"):
+    ("kvobs/_lifecycle/validation.py", "resolve_requests", "raise", "statement removed"):
         "unreachable: ids that pass for each request alone pass as a union too, so a failing union always has "
         "a request that fails alone and is named",
-    ("kvobs/transfer.py", "Transfer._time_out", "if mine:", "condition -> True"):
+    ("kvobs/_lifecycle/transfer.py", "Transfer._time_out", "if mine:", "condition -> True"):
         "nothing else can end a transfer still waiting for its lock (it is in no open-transfer table yet)",
-    ("kvobs/transfer.py", "Transfer.holds", "return self.state in _HOLDING and bool(self._held)", "'and' -> 'or'"):
+    ("kvobs/_lifecycle/transfer.py", "Transfer.holds", "return self.state in _HOLDING and bool(self._held)", "'and' -> 'or'"):
         "read only to refuse re-entry (claims of nothing are skipped, a NullLock overlaps nothing) and to prune "
         "ended entries; held-state with nothing to release, or the reverse, exists only within an ending",
-    **{("kvobs/transfer.py", "Transfer._ended", "if async_wait.waiting:", mutation):
+    **{("kvobs/_lifecycle/transfer.py", "Transfer._ended", "if async_wait.waiting:", mutation):
        "performance only: a coroutine waiting for the lock still retries within its back-off (at most 5 ms)"
        for mutation in ("statement removed", "condition -> False")},
     ("kvobs/guard.py", "Guard._sync_wrapper.guarded", "if t.span is None:", "condition -> False"):
@@ -168,18 +168,18 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
         "the synchronous fast path: t.returned(result, False) is t.complete(result)",
     ("kvobs/guard.py", "_call_in_span", "if span is None:", "statement removed"):
         "unreachable: its only caller runs the function directly when there is no span",
-    ("kvobs/signals/reporting.py", "SignalReporter.describes",
+    ("kvobs/signals/_reporting.py", "SignalReporter.describes",
      "return outcome in _DROPS or (self._logger is not None and outcome in self._levels)", "'and' -> 'or'"):
         "performance only: a wider answer collects more decisions, and describe() skips, by the same levels, "
         "every one that no log line or span event records",
-    ("kvobs/integrity/kernel_numba.py", "_lane_test", "if xor == 0 and keep == top:",
+    ("kvobs/integrity/_kernel_numba.py", "_lane_test", "if xor == 0 and keep == top:",
      "operand 1 of 'and' removed"):
         "keep == top only in the sign-ignored rules, and every one of them has xor == 0 (see bits.lane_test)",
-    ("kvobs/integrity/kernel_numba.py", "ready",
+    ("kvobs/integrity/_kernel_numba.py", "ready",
      ("sample, segments, rule, test = np.zeros(1, word), np.zeros(1, np.int64), np.ones(4, word), "
       "np.zeros(5, np.uint64)"), "1 -> 2"):
         "the warm-up call's argument sizes: any valid call resolves the same argument types",
-    **{("kvobs/signals/immediate.py", function, line, mutation):
+    **{("kvobs/signals/_immediate.py", function, line, mutation):
        "the plain-int fast path: as_int() returns a Python int >= 0 unchanged, 0 included"
        for function, line, mutations in (
            ("EarlySignalBuffer.finish", "if not (type(slot) is int and slot >= 0):",
@@ -192,7 +192,7 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
             "if not (type(slot) is int and type(need_tokens) is int and slot >= 0 and need_tokens >= 0):",
             ("condition -> True", "'>=' -> '>'", "0 -> 1")))
        for mutation in mutations},
-    **{("kvobs/signals/immediate.py", function, line, mutation):
+    **{("kvobs/signals/_immediate.py", function, line, mutation):
        "a narrower fast path: the call is decided again from scratch by the shared core, with the same outcome"
        for function, line, mutations in (
            ("EarlySignalBuffer.signal", "if tokens <= task[0]:", ("'<=' -> '<'", "condition -> False")),
@@ -205,10 +205,10 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
             ("condition -> False", "statement removed")),
            ("EarlySignalBuffer.finish", "if slot not in self._pending:", ("condition -> False",)))
        for mutation in mutations},
-    ("kvobs/signals/immediate.py", "EarlySignalBuffer.finish",
+    ("kvobs/signals/_immediate.py", "EarlySignalBuffer.finish",
      "if len(self._waits) >= FLUSH_AT:  # bounds the waits register() notes: see the class docstring", "'>=' -> '>'"):
         "a forced flush one finish() later: the noted waits stay bounded and every one still reaches the metrics",
-    **{("kvobs/signals/core.py", "SignalBufferCore._evict_oldest_locked", line, mutation):
+    **{("kvobs/signals/_core.py", "SignalBufferCore._evict_oldest_locked", line, mutation):
        "performance only: compacting rebuilds the same dict in the same order; how often it runs changes only "
        "how far the walk to the oldest entry goes"
        for line, mutations in (
@@ -219,67 +219,67 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
            ("self._evicted = 0", ("statement removed", "0 -> 1")),
            ("pending.clear()", ("statement removed",)))
        for mutation in mutations},
-    ("kvobs/signals/immediate.py", "EarlySignalBuffer._now_locked", "if now > self._expire_at:", "condition -> True"):
+    ("kvobs/signals/_immediate.py", "EarlySignalBuffer._now_locked", "if now > self._expire_at:", "condition -> True"):
         "performance only: a sweep with nothing due expires nothing; it only recomputes _expire_at (-inf once "
         "nothing is pending, which sends the next buffered signal to the general path, with the same decision)",
-    **{("kvobs/signals/core.py", "held",
+    **{("kvobs/signals/_core.py", "held",
         'return type("Held", (), {"__slots__": (), "__enter__": lock.__enter__, "__exit__": lock.__exit__})()',
         mutation): "cosmetic: the one-off class's name, and whether its single instance has a __dict__"
        for mutation in ("'Held' -> 'XXHeldXX'", "'__slots__' -> 'XX__slots__XX'")},
-    ("kvobs/signals/reporting.py", "SignalReporter.__init__",
+    ("kvobs/signals/_reporting.py", "SignalReporter.__init__",
      "self._log = None if logger is None else RateLimitedLog(", "condition -> False"):
         "without a logger describe() finds no log level, so the rate-limited log is never used",
-    ("kvobs/locks.py", "_ExclusiveLock._mutex_locked", "raise NotImplementedError", "statement removed"):
+    ("kvobs/locks/_cache_lock.py", "_ExclusiveLock._mutex_locked", "raise NotImplementedError", "statement removed"):
         "an abstract method: both lock classes override it",
-    ("kvobs/locks.py", "ThreadLock.acquire_into",
+    ("kvobs/locks/_cache_lock.py", "ThreadLock.acquire_into",
      "if timeout == 0 or not push_if(held, lock.release, lock.acquire, True, _wait_arg(timeout)):",
      "operand 1 of 'or' removed"): "the no-wait fast path: lock.acquire(True, 0) is the same single try",
-    ("kvobs/integrity/kernel_numba.py", "_run_is_bad",
+    ("kvobs/integrity/_kernel_numba.py", "_run_is_bad",
      "return whole < size and _max_key(words[start + whole : start + size], mask, flip, mask ^ mask) >= bad_min",
      "'^' -> '|'"):
         "performance only: a run wrongly suspected goes to _verdicts, which reads it value by value and clears it",
-    ("kvobs/integrity/kernel.py", "KernelPlan.block_bytes",
+    ("kvobs/integrity/_kernel.py", "KernelPlan.block_bytes",
      "return self.segments.shape[0] * self.length * self.bits.width", "'*' -> '/'"):
         "performance only: it sizes the threads' shares of a split check, and every block is still checked once",
-    ("kvobs/integrity/torch_path.py", "_coalesce", "if i != prev + 1:", "'+' -> '-'"):
+    ("kvobs/integrity/_torch_path.py", "_coalesce", "if i != prev + 1:", "'+' -> '-'"):
         "performance only: ids left uncoalesced are checked as runs of one, with the same verdicts",
     **{(module, "<module>", "if TYPE_CHECKING:", mutation): "imports for type checkers only, never run"
-       for module in ("kvobs/block_claim.py", "kvobs/integrity/check.py")
+       for module in ("kvobs/locks/_block_claim.py", "kvobs/integrity/_check.py")
        for mutation in ("statement removed", "condition -> False")},
-    ("kvobs/transfer.py", "Transfer", "_cache_info: Any = None", "statement removed"):
+    ("kvobs/_lifecycle/transfer.py", "Transfer", "_cache_info: Any = None", "statement removed"):
         "read only by _check, after it returned for a transfer without a cache; validate() sets it whenever a "
         "cache comes with a policy, and without a policy _check is never called",
-    **{("kvobs/transfer.py", "Transfer._finish", line, "statement removed"):
+    **{("kvobs/_lifecycle/transfer.py", "Transfer._finish", line, "statement removed"):
        "the nothing-to-check fast path: the general path ends the same way when nothing moved and no policy"
        for line in ("if route.policy is None and moved is None and self.moved_from is None:  # nothing to check or count",
                     "return result  # the general path below would end the same way, only later")},
     ("kvobs/guard.py", "Guard.__exit__", "return None", "statement removed"):
         "never reached (__enter__ refuses), and a function without it returns None too",
-    ("kvobs/block_lock.py", "<module>", "_FIRST_PAUSE_S = 50e-6", "5e-05 -> 0.0"):
+    ("kvobs/locks/_block_lock.py", "<module>", "_FIRST_PAUSE_S = 50e-6", "5e-05 -> 0.0"):
         "performance only: a first pause of 0 turns the back-off into a busy poll with the same results",
-    ("kvobs/block_lock.py", "BlockLock._lock", "raise", "statement removed"): _RETRIED,
-    ("kvobs/block_lock.py", "BlockLock.close", "_LOCKS.discard(self)", "statement removed"):
+    ("kvobs/locks/_block_lock.py", "BlockLock._lock", "raise", "statement removed"): _RETRIED,
+    ("kvobs/locks/_block_lock.py", "BlockLock.close", "_LOCKS.discard(self)", "statement removed"):
         "a closed lock renewed in a forked child has nothing to renew: no descriptions, no claims",
-    **{("kvobs/block_lock.py", "BlockLock._wait_for_runs",
+    **{("kvobs/locks/_block_lock.py", "BlockLock._wait_for_runs",
         "if exclusive:  # through: the turnstile is for the next writer (UNLOCK_ALL would free it at the end)",
         mutation): "a turnstile kept while its writer holds the run's blocks exclusively stops only readers of "
                    "those blocks, who wait for the writer anyway; the release unlocks everything on the description"
        for mutation in ("condition -> False", "statement removed")},
     ("kvobs/guard.py", "Guard._sync_wrapper.guarded", "if result is not None and inspect.isawaitable(result):",
      "operand 1 of 'and' removed"): "the common-case shortcut: inspect.isawaitable(None) is False too",
-    ("kvobs/transfer.py", "Transfer.validate",
+    ("kvobs/_lifecycle/transfer.py", "Transfer.validate",
      "return self  # nothing given: the checks below would end in the same whole-cache claim", "statement removed"):
         "the nothing-given fast path: the full checks of no inputs end in the same whole-cache claim",
-    ("kvobs/transfer.py", "Transfer._after_wait", "self._release()", "statement removed"):
+    ("kvobs/_lifecycle/transfer.py", "Transfer._after_wait", "self._release()", "statement removed"):
         "every caller of acquire() and acquire_async() releases on any exception it raises (start, __aenter__, "
         "both guard wrappers); this only releases a moment earlier",
-    ("kvobs/block_lock.py", "_undo_newest", "deque(map(CALL, map(_POPLEFT, repeat(held, count))), 0)", "0 -> 1"):
+    ("kvobs/locks/_block_lock.py", "_undo_newest", "deque(map(CALL, map(_POPLEFT, repeat(held, count))), 0)", "0 -> 1"):
         _CONSUMED,
-    ("kvobs/block_lock.py", "BlockLock._lock", "try:", "statement removed"):
+    ("kvobs/locks/_block_lock.py", "BlockLock._lock", "try:", "statement removed"):
         "the one-pass fast path: _wait_for_runs takes the same runs one by one (granted, waited for, or raised)",
-    ("kvobs/block_lock.py", "BlockLock._lock", "if not ofd.is_contention(exc):", "statement removed"):
+    ("kvobs/locks/_block_lock.py", "BlockLock._lock", "if not ofd.is_contention(exc):", "statement removed"):
         _RETRIED,
-    ("kvobs/block_lock.py", "BlockLock._lock", "if not ofd.is_contention(exc):", "condition -> False"):
+    ("kvobs/locks/_block_lock.py", "BlockLock._lock", "if not ofd.is_contention(exc):", "condition -> False"):
         _RETRIED,
 }
 

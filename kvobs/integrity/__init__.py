@@ -6,8 +6,8 @@ is installed: without it, NumPy reads CPU caches).
 """
 
 from kvobs.errors import CorruptKVError
-from kvobs.integrity.check import check_blocks
-from kvobs.integrity.result import CheckResult
+from kvobs.integrity._check import check_blocks
+from kvobs.integrity._result import CheckResult
 from kvobs.policy import POLICIES, IntegrityPolicy, Sampler
 
 __all__ = [
@@ -25,7 +25,7 @@ __all__ = [
 def __getattr__(name: str) -> object:
     """`validate_cache` and `ValidatedCache` import NumPy (and torch where installed): imported on first use."""
     if name in ("validate_cache", "ValidatedCache"):
-        from kvobs.integrity import layout
+        from kvobs.integrity import _layout as layout
 
         return getattr(layout, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

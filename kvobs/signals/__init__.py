@@ -2,12 +2,12 @@
 
 `EarlySignalBuffer` decides at each call (one engine process, any number of threads);
 `StepAlignedSignalBuffer` decides once per model-runner step in a canonical order, so tensor-parallel ranks
-release identical batches. Both share one decision core (`kvobs.signals.core`).
+release identical batches. Both share one decision core (`kvobs.signals._core`).
 """
 
 from kvobs.errors import SignalBufferFull
-from kvobs.signals.immediate import EarlySignalBuffer
-from kvobs.signals.records import Progress, ReadySignal
-from kvobs.signals.step_aligned import StepAlignedSignalBuffer
+from kvobs.signals._immediate import EarlySignalBuffer
+from kvobs.signals._records import Progress, ReadySignal
+from kvobs.signals._step_aligned import StepAlignedSignalBuffer
 
 __all__ = ["EarlySignalBuffer", "Progress", "ReadySignal", "SignalBufferFull", "StepAlignedSignalBuffer"]

@@ -26,7 +26,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-
 from running_vllm import tiny_llama
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -275,7 +274,7 @@ def samples(text: str, name: str, **labels: str) -> float:
 _DYING_ENGINE = """
 import os, signal
 import kvobs
-from kvobs.telemetry.refresher import Refresher
+from kvobs.telemetry._metrics.refresher import Refresher
 
 obs = kvobs.KVObserver("vllm", lock=None)
 obs.begin("prefetch", key=1, block_ids=[1, 2])

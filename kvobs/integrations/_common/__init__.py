@@ -1,7 +1,7 @@
 """What every engine integration shares, so each job is done one way: the integrations' one door into kvobs.
 
 An integration imports kvobs's public names (`kvobs`, `kvobs.errors`, `kvobs.semconv`, ...) and this
-package, nothing else (tests/test_integration_public_names.py); what an integration needs of kvobs's
+package, nothing else (tests/docs/test_integration_public_names.py); what an integration needs of kvobs's
 internals is here, under one name:
 - replacing an engine's methods: `kvobs.Instrumentation` (public: one mark every patcher sees);
 - a hook that failed inside the engine: `HookFailures` (counted and logged once per interval, never raised);
@@ -18,8 +18,8 @@ from typing import Any
 from kvobs.integrations._common.caches import checkable
 from kvobs.integrations._common.hooks import HookFailures
 from kvobs.integrations._common.locks import require_sharing_lock
-from kvobs.signals.inputs import int_list as _checked_int_list
-from kvobs.telemetry.logs import default_logger
+from kvobs.signals._inputs import int_list as _checked_int_list
+from kvobs.telemetry._logs import default_logger
 
 __all__ = ["HookFailures", "checkable", "default_logger", "int_list", "require_sharing_lock"]
 

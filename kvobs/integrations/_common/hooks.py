@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvobs.telemetry.failures import STAGE_HOOK, TelemetryFailures
-from kvobs.telemetry.logs import default_logger
+from kvobs.telemetry._failures import STAGE_HOOK, TelemetryFailures
+from kvobs.telemetry._logs import default_logger
 
 
 class HookFailures:

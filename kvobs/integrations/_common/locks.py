@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvobs.errors import SharingLockRequired
-from kvobs.locks import Claim
+from kvobs.locks._cache_lock import Claim
 
 _TWO_READERS = (Claim("send", (0,), False), Claim("send", (1,), False))
 

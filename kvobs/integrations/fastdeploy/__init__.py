@@ -24,18 +24,18 @@ Nothing here imports FastDeploy or Paddle: the objects passed in are FastDeploy'
 
 from kvobs import Instrumentation as Patches
 from kvobs.errors import CorruptLoad, LaunchFailed, SendFailed
-from kvobs.integrations.fastdeploy.engine import instrument_prefix_cache_manager
-from kvobs.integrations.fastdeploy.lock import FastDeployLock, gpu_cache_lock_path
-from kvobs.integrations.fastdeploy.messager import bridge_cache_messager
-from kvobs.integrations.fastdeploy.pd import (
+from kvobs.integrations.fastdeploy._engine import instrument_prefix_cache_manager
+from kvobs.integrations.fastdeploy._lock import FastDeployLock, gpu_cache_lock_path
+from kvobs.integrations.fastdeploy._messager import bridge_cache_messager
+from kvobs.integrations.fastdeploy._pd import (
     TRACE_KEY,
     DecodeReceives,
     instrument_decode_connector,
     instrument_prefill_connector,
 )
-from kvobs.integrations.fastdeploy.send import WRITE_ERROR, instrument_ipc_comm_manager
-from kvobs.integrations.fastdeploy.transfer import instrument_cache_transfer_manager
-from kvobs.integrations.fastdeploy.worker import instrument_worker_process
+from kvobs.integrations.fastdeploy._send import WRITE_ERROR, instrument_ipc_comm_manager
+from kvobs.integrations.fastdeploy._transfer import instrument_cache_transfer_manager
+from kvobs.integrations.fastdeploy._worker import instrument_worker_process
 
 __all__ = [
     "TRACE_KEY",

@@ -13,8 +13,8 @@ by `import kvobs`). Every call returns a handle whose `undo()` restores SGLang's
 
 from kvobs import Instrumentation as Patches
 from kvobs.errors import CopyNotConfirmed
-from kvobs.integrations.sglang.hicache import instrument_hicache
-from kvobs.integrations.sglang.pd import instrument_pd
+from kvobs.integrations.sglang._hicache import instrument_hicache
+from kvobs.integrations.sglang._pd import instrument_pd
 
 is_instrumented = Patches.is_instrumented
 

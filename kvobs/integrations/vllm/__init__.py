@@ -33,8 +33,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvobs.integrations.vllm.observers import use_observer
-from kvobs.integrations.vllm.options import INTEGRITY_MODES, TRACE_CONTEXT_KEY
+from kvobs.integrations.vllm._observers import use_observer
+from kvobs.integrations.vllm._options import INTEGRITY_MODES, TRACE_CONTEXT_KEY
 
 __all__ = ["INTEGRITY_MODES", "TRACE_CONTEXT_KEY", "KVObsConnector", "KVObsConnectorMetadata",
            "KVObsConnectorNoHMA", "use_observer"]
@@ -46,7 +46,7 @@ def __getattr__(name: str) -> Any:
     """The connector classes, built from the vLLM installed (imported now, on first access)."""
     if name not in _CLASSES:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from kvobs.integrations.vllm.classes import build
+    from kvobs.integrations.vllm._classes import build
 
     try:
         return build()[name]

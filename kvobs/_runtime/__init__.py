@@ -1,0 +1,1 @@
+"""Process mechanics every layer leans on: bookkeeping an interrupt cannot tear, renewal after fork."""

@@ -1,0 +1,285 @@
+"""The state both signal buffers share, and every decision on it.
+
+Why one core: `EarlySignalBuffer` decides at each call, `StepAlignedSignalBuffer` at each step boundary in a
+canonical order, but a signal, a registration, a finish, an expiry and an overflow must mean the same in both.
+Each `_*_locked` method is one atomic decision taken with `self._lock` held (entered as `with self._held:`): it
+counts its outcome in the tally and appends what must be described to `out` (span events and logs run after the
+lock is released).
+
+Lock order: caller's locks -> buffer lock, never the reverse. Under its lock a buffer calls only the injected
+`clock` (which must not block or call back) and, when it flushes its tally, the metric children's `inc`.
+
+Policies:
+- A layer0 signal claiming more tokens than its task needs cannot belong to it: `dropped_invalid`, whether it
+  was pending at registration or arrives for a live slot.
+- Repeated early signals for one slot update its single pending entry: the largest cumulative token count
+  wins whatever the arrival order; the age counts from the first. `buffered` counts entries, not repeats:
+  buffered = recovered + dropped_invalid (of pending ones) + dropped_finished + expired + overflow + pending,
+  which is how the tally derives it.
+- A late layer0 signal for a finished slot looks exactly like an early one for the slot's next task (signals
+  carry no request id), so it is buffered like one; the TTL, `max_pending`, `finish()` and the registration's
+  token check all remove it.
+- Layers other than 0 only advance a live slot's `progress()`; for an unregistered slot they are ignored.
+- Memory is bounded: at most `max_pending` signals wait (a new one evicts the oldest: `overflow`) and at most
+  `max_slots` tasks are registered (one more is `refused` and changes nothing).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import weakref
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+from kvobs import semconv as sc
+from kvobs._runtime.forks import renewed_after_fork
+from kvobs.signals._inputs import as_int
+from kvobs.signals._records import (
+    KEPT_TOKENS,
+    LAYER,
+    NEED,
+    SINCE,
+    TOKENS,
+    WALL,
+    Decision,
+    Progress,
+    ReadySignal,
+    decision,
+    ready_signal,
+)
+from kvobs.signals._reporting import (
+    EXPIRED,
+    FINISHED,
+    FLUSH_AT,
+    INVALID,
+    OVERFLOW,
+    READY,
+    REFUSED,
+    SignalReporter,
+)
+from kvobs.telemetry._failures import STAGE_METRICS
+from kvobs.telemetry._metrics.engine_metrics import EngineMetrics
+
+DEFAULT_MAX_SLOTS = 16384
+EXPIRY_DUE = -math.inf  # `_expire_at` while nothing is pending: the next signal buffered takes the general path
+
+
+def held(lock: threading.Lock) -> AbstractContextManager[bool]:
+    """`with held(lock):` is `with lock:` for less (docs/benchmarks.md, "Signal buffer").
+
+    `with` looks `__enter__` and `__exit__` up on the type, and for a lock each lookup builds a new bound method.
+    This one-off class holds the lock's own bound methods, which `with` finds ready. The same C functions run,
+    so an asynchronous exception leaves the lock exactly as it would leave `with lock:`.
+    """
+    return type("Held", (), {"__slots__": (), "__enter__": lock.__enter__, "__exit__": lock.__exit__})()
+
+
+class SignalBufferCore:
+    """Registered slots, their progress and the early layer0 signals waiting for them; see the module docstring.
+
+    A subclass supplies `_now_locked(out)`: the (decision time, wall time) of a decision that touches a
+    pending signal, after expiring what is due by then. One buffer per EngineMetrics: the pending-count and
+    oldest-age gauges read the buffer built last.
+    """
+
+    def __init__(self, *, metrics: EngineMetrics | None, logger: Any | None, ttl: float, max_pending: int,
+                 max_slots: int, clock: Callable[[], float], log_level: str | int) -> None:
+        if as_int(max_pending, "max_pending") < 1:
+            raise ValueError("max_pending must be >= 1")
+        if as_int(max_slots, "max_slots") < 1:
+            raise ValueError("max_slots must be >= 1")
+        self._lock = threading.Lock()
+        self._held = held(self._lock)
+        self._clock = clock
+        self._ttl = ttl
+        self._max_pending = max_pending
+        self._max_slots = max_slots
+        self._live: dict[int, list[int]] = {}  # slot -> task: see kvobs.signals._records
+        # slot -> (tokens, since, wall), oldest first: entries are never moved. A plain dict, cheaper per insert
+        # and delete than an OrderedDict; see _evict_oldest_locked for its front.
+        self._pending: dict[int, tuple[int, float, float]] = {}
+        self._evicted = 0  # entries evicted since the pending dict was last compacted
+        # nothing pending expires before this: one compare decides a lazy sweep. Whenever nothing is pending it
+        # is at most (next signal's time + ttl), so a signal buffered without the general path is never late.
+        self._expire_at = EXPIRY_DUE
+        self._reporter = SignalReporter(self._lock, self._pending, metrics, logger, log_level, clock)
+        self._describe_recoveries = self._reporter.describes(sc.SIGNAL_RECOVERED)
+        self._tally = self._reporter.tally
+        self._counts = self._tally.counts
+        self._waits = self._tally.waits
+        _renewed_after_fork.add(self)
+        if metrics is not None:
+            weakref.finalize(self, self._tally.flush)  # counts of a buffer the engine drops are kept
+            try:  # the gauges hold this buffer weakly: dropped, it is collected and they read 0
+                metrics.bind_pending_signals(self, SignalBufferCore._pending_at_scrape,
+                                             SignalBufferCore.oldest_pending_age)
+            except Exception as exc:  # noqa: BLE001 - telemetry must not break the engine
+                self._reporter.failed(STAGE_METRICS, exc)
+
+    def _now_locked(self, out: list[Decision]) -> tuple[float, float]:
+        raise NotImplementedError
+
+    def _after_fork_in_child(self) -> None:
+        """A lock another thread held at the fork would stay held in the child forever: a new one. The early
+        signals pending at the fork arrived in the parent, which recovers, drops and reports them; the child
+        starts without them (its gauges would show them a second time, and their age would grow there until
+        the stale-signal alert fired)."""
+        self._lock = threading.Lock()
+        self._held = held(self._lock)
+        self._pending.clear()
+        self._evicted = 0
+        self._expire_at = EXPIRY_DUE
+        self._tally.renew(self._lock)
+
+    # -- reads ------------------------------------------------------------------------------------------------
+
+    def _pending_at_scrape(self) -> int:
+        """The pending count for the gauge; first the counts tallied since the last scrape go to the metrics."""
+        self._tally.flush()
+        return len(self._pending)
+
+    @property
+    def pending_count(self) -> int:
+        """Signals waiting for their task."""
+        return len(self._pending)
+
+    def oldest_pending_age(self) -> float:
+        """Seconds the oldest pending signal has waited; 0.0 when none. Read at scrape time."""
+        with self._held:
+            wall = next(iter(self._pending.values()))[WALL] if self._pending else None
+        return 0.0 if wall is None else max(0.0, self._clock() - wall)
+
+    def registered_slots(self) -> frozenset[int]:
+        """Slots with a live task."""
+        with self._held:
+            return frozenset(self._live)
+
+    def progress(self, slot: int) -> Progress | None:
+        """The furthest (tokens, layer) signalled for live `slot`; None if unregistered or no signal yet."""
+        with self._held:
+            task = self._live.get(slot)
+            if task is None or task[TOKENS] < 0:
+                return None
+            return Progress(task[TOKENS], task[LAYER])
+
+    # -- decisions, under self._lock ---------------------------------------------------------------------------
+
+    def _signal_locked(self, slot: int, layer: int, tokens: int, out: list[Decision]) -> bool:
+        """Whether the send of `slot` starts now."""
+        task = self._live.get(slot)
+        if task is not None:
+            if layer:
+                if tokens > task[TOKENS] or (tokens == task[TOKENS] and layer > task[LAYER]):
+                    task[TOKENS] = tokens
+                    task[LAYER] = layer
+                return False
+            if tokens > task[NEED]:
+                self._counts[INVALID] += 1
+                out.append(decision(sc.SIGNAL_DROPPED_INVALID, slot, tokens, task[NEED], 0.0))
+                return False
+            if tokens > task[TOKENS]:
+                task[TOKENS] = tokens
+                task[LAYER] = 0
+            self._counts[READY] += 1
+            return True
+        if not layer:
+            self._buffer_locked(slot, tokens, out)
+        return False
+
+    def _buffer_locked(self, slot: int, tokens: int, out: list[Decision]) -> None:
+        """Keep an early layer0 signal of an unregistered slot; a repeat raises the kept count."""
+        pending = self._pending
+        entry = pending.get(slot)
+        if entry is not None:
+            if tokens > entry[KEPT_TOKENS]:
+                pending[slot] = (tokens, entry[SINCE], entry[WALL])
+            return
+        now, wall = self._now_locked(out)
+        if len(pending) >= self._max_pending:
+            self._evict_oldest_locked(wall, out)
+        if not pending:
+            self._expire_at = now + self._ttl
+        pending[slot] = (tokens, now, wall)  # counted by the pending dict itself, see Tally
+
+    def _evict_oldest_locked(self, wall: float, out: list[Decision]) -> None:
+        """Overflow: the oldest pending signal makes room.
+
+        A dict keeps a deleted entry's place until it grows again, and finding the oldest walks past those
+        places, so a flood that evicts at every call would walk further and further; compacting the dict
+        once per len/8 + 64 evictions keeps the walk and the copying each a bounded cost per eviction.
+        """
+        pending = self._pending
+        slot = next(iter(pending))
+        entry = pending.pop(slot)
+        self._tally.dropped(OVERFLOW)
+        out.append(decision(sc.SIGNAL_OVERFLOW, slot, entry[KEPT_TOKENS], None, wall - entry[WALL]))
+        self._evicted += 1
+        if self._evicted > len(pending) // 8 + 64:
+            self._evicted = 0
+            kept = list(pending.items())
+            pending.clear()
+            pending.update(kept)
+
+    def _refuse_locked(self, slot: int, need: int, out: list[Decision]) -> None:
+        """A registration while `max_slots` tasks are live: counted, described, nothing changed."""
+        self._counts[REFUSED] += 1
+        out.append(decision(sc.SIGNAL_REFUSED, slot, None, need, 0.0))
+
+    def _register_locked(self, slot: int, need: int, out: list[Decision]) -> ReadySignal | None:
+        """Register `slot` (not live, room checked) and recover its pending signal, if it can belong to it."""
+        if slot not in self._pending:
+            self._live[slot] = [need, -1, -1]
+            return None
+        _, wall = self._now_locked(out)  # expires what is due first: an expired signal is never recovered
+        entry = self._pending.pop(slot, None)
+        if entry is None or entry[KEPT_TOKENS] > need:
+            self._live[slot] = [need, -1, -1]
+            if entry is not None:
+                self._tally.dropped(INVALID)
+                out.append(decision(sc.SIGNAL_DROPPED_INVALID, slot, entry[KEPT_TOKENS], need, wall - entry[WALL]))
+            return None
+        tokens = entry[KEPT_TOKENS]
+        waited = wall - entry[WALL]
+        self._live[slot] = [need, tokens, 0]
+        self._note_recovery_locked(waited)
+        if self._describe_recoveries:
+            out.append(decision(sc.SIGNAL_RECOVERED, slot, tokens, need, waited))
+        return ready_signal(slot, tokens, waited)
+
+    def _note_recovery_locked(self, waited: float) -> None:
+        """Count a recovery by noting its wait (see Tally); a full list of waits goes to the metrics now."""
+        waits = self._waits
+        waits.append(waited)
+        if len(waits) >= FLUSH_AT:
+            self._tally.flush_locked()
+
+    def _finish_locked(self, slot: int, out: list[Decision]) -> None:
+        task = self._live.pop(slot, None)
+        if slot in self._pending:
+            _, wall = self._now_locked(out)
+            entry = self._pending.pop(slot, None)
+            if entry is not None:
+                self._tally.dropped(FINISHED)
+                out.append(decision(sc.SIGNAL_DROPPED_FINISHED, slot, entry[KEPT_TOKENS],
+                                    None if task is None else task[NEED], wall - entry[WALL]))
+
+    def _expire_locked(self, now: float, wall: float, out: list[Decision]) -> None:
+        """Drop the pending signals older than the TTL: the oldest ones, found in one walk from the front."""
+        pending = self._pending
+        ttl = self._ttl
+        expired = []
+        self._expire_at = EXPIRY_DUE
+        for slot, entry in pending.items():
+            if now <= entry[SINCE] + ttl:
+                self._expire_at = entry[SINCE] + ttl
+                break
+            expired.append(slot)
+            out.append(decision(sc.SIGNAL_EXPIRED, slot, entry[KEPT_TOKENS], None, wall - entry[WALL]))
+        for slot in expired:
+            del pending[slot]
+        self._tally.dropped(EXPIRED, len(expired))
+
+
+_renewed_after_fork = renewed_after_fork(SignalBufferCore._after_fork_in_child)
