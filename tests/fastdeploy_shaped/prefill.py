@@ -50,12 +50,20 @@ class PrefillNode:
                                            "transfer_protocol": "ipc", "dest_block_ids": dest}])
 
     def run_layers(self, slot: int, tokens: int, layers: range = range(LAYERS), offset: int = 0) -> None:
-        """The model runner computes `layers` of the slot's chunk, on every rank."""
+        """The model runner computes `layers` of the slot's chunk, on every rank. Returns once every rank's
+        messager has read them: its slot shows the last layer, or (a registered task) the send already finished
+        and the messager cleared the slot."""
+        registered = {m.rank_id: slot in m.idx_cache_task_dict for m in self.messagers}
         for layer in layers:
             for m in self.messagers:
                 runner_signal(m.rank_id, layer, [(slot, offset, tokens)])
-        wait_until(lambda: all(m.engine_cache_tasks[slot].get("prefilled_layer_idx") == layers[-1]
-                               for m in self.messagers) and all(q.empty() for q in cache_messager.RUNNER_SIGNALS.values()))
+
+        def read_by(m: CacheMessagerV1) -> bool:
+            finished = registered[m.rank_id] and slot not in m.idx_cache_task_dict
+            return finished or m.engine_cache_tasks[slot].get("prefilled_layer_idx") == layers[-1]
+
+        wait_until(lambda: all(read_by(m) for m in self.messagers)
+                   and all(q.empty() for q in cache_messager.RUNNER_SIGNALS.values()))
         time.sleep(0.03)  # the signal thread is done with the last read
 
     def settle(self) -> None:
