@@ -193,7 +193,14 @@ class KVObserver:
 
     def open_transfer(self, path: str, key: Any) -> Transfer | None:
         """The transfer open under (path, key), if any."""
-        return self.open.find(self._known_path(path, "path"), key)
+        try:
+            t = self.open.find(path, key)
+        except TypeError:  # an unhashable path or key
+            self._known_path(path, "path")
+            raise
+        if t is None:
+            self._known_path(path, "path")  # an unknown path is a mistake, not a missing transfer
+        return t
 
     def signal_buffer(self, **options: Any) -> EarlySignalBuffer:
         """An EarlySignalBuffer reporting through this observer's metrics and logger."""
@@ -284,7 +291,12 @@ class KVObserver:
     def _route_for(self, path: str, check: Any) -> Route:
         """The path's route, or its variant with another integrity policy, built once per policy so that a
         sampling policy (`every=N`, `fraction`) samples across calls."""
-        route = self._routes[self._known_path(path, "path")]
+        try:
+            route = self._routes.get(path)
+        except TypeError:  # unhashable: not a path
+            route = None
+        if route is None:
+            self._known_path(path, "path")  # raises, naming the known paths
         if check is None:
             return route
         # by identity for a policy object (the route keeps it alive): equal policies may differ in skip_result

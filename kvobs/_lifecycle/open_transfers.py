@@ -27,7 +27,7 @@ from itertools import compress
 from time import perf_counter
 from typing import Any, Protocol
 
-from kvobs._runtime.atomic import Held
+from kvobs._runtime.atomic import Held, push_unless_raises
 from kvobs.telemetry._failures import LOG_INTERVAL_S
 from kvobs.telemetry._logs import default_logger
 from kvobs.telemetry._ratelimit import RateLimitedLog
@@ -39,6 +39,7 @@ EVENT_RESTARTED = "kvobs.deadline_thread.restarted"
 
 class Abandonable(Protocol):
     path: str
+    key: Any  # None, or what a completion finds it by
     t_begin: float
     due: float  # perf_counter() time past which the transfer is abandoned
 
@@ -63,17 +64,16 @@ class OpenTransfers:
         if lane not in self.lanes:
             self.lanes.append(lane)
 
-    def enter(self, held: Held, t: Abandonable) -> None:
-        """Count `t` as open until its undo steps run."""
+    def enter(self, held: Held, t: Abandonable) -> bool:
+        """Count `t` as open until its undo steps run, and with a key make it findable under (path, key). False
+        when another open transfer has that key: `t` is then counted, not findable, until its undo steps run.
+        Each insertion records its undo in the same C call (`kvobs._runtime.atomic`)."""
         seq = next(self._seq)
         table = self.by_path[t.path]
-        undo = functools.partial(table.pop, seq, None)
-        table[seq] = t
-        held.appendleft(undo)
-
-    def claim_key(self, held: Held, path: str, key: Any, t: Abandonable) -> bool:
-        """Register `t` under (path, key) unless another open transfer has it; False for a duplicate."""
-        slot = (path, key)
+        push_unless_raises(held, functools.partial(table.pop, seq, None), table.__setitem__, seq, t)
+        if t.key is None:
+            return True
+        slot = (t.path, t.key)
         undo = functools.partial(self.by_key.pop, slot, None)
         before = len(held)
         inserted = map(functools.partial(operator.is_, t), map(self.by_key.setdefault, (slot,), (t,)))

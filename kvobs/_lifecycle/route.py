@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from kvobs._lifecycle.cache_checks import CacheCheck
 from kvobs._lifecycle.fast_lane import lane_of
 from kvobs._lifecycle.open_transfers import OpenTransfers
-from kvobs.locks._cache_lock import CacheLock, Claim
+from kvobs.locks._cache_lock import CacheLock, Claim, NullLock
 from kvobs.policy import IntegrityPolicy, Sampler
 from kvobs.telemetry._recorder import Recorder
 
@@ -37,5 +37,8 @@ class Route:
 
     def __post_init__(self) -> None:
         self.whole_cache = Claim(self.path, (), not self.reads_blocks)
+        # no lock (`lock=None`): nobody ever waits, so a transfer has no claim to build or take, and no re-entry
+        # can wait for itself
+        self.lock_free = isinstance(self.lock, NullLock)
         self.conflicted = self.recorder.conflicted
         self.lane = lane_of(self)  # the lifecycle's fast path, for transfers on a lock that has one

@@ -203,8 +203,9 @@ class Transfer:
                                                               page_size=route.page_size)
             if self.keys is not None:
                 validate_keys(self.path, self.keys, self.blocks, paired=route.page_size is None and group_sizes is None)
-            if self.nbytes is not None:
-                validate_nbytes(self.path, self.nbytes)
+            nbytes = self.nbytes
+            if nbytes is not None and (type(nbytes) is not int or nbytes < 0):  # noqa: E721 (bool is an int)
+                validate_nbytes(self.path, self.nbytes)  # says what is wrong (or accepts an int subclass)
             if self.cache is not None and route.policy is not None:
                 self.cache_info = route.caches.inspect(self.path, self.cache, self.blocks)
             if self.key is not None:
@@ -213,7 +214,9 @@ class Transfer:
             self.reject(exc)
             raise
         blocks = self.blocks
-        if blocks is None:
+        if route.lock_free:
+            self.claim = None
+        elif blocks is None:
             self.claim = route.whole_cache
         else:  # an empty list of blocks claims nothing: there is nothing to protect
             self.claim = Claim(self.path, blocks.distinct, not route.reads_blocks) if blocks.distinct else None
@@ -254,7 +257,7 @@ class Transfer:
 
     def _start_waiting(self) -> Route:
         route = self.route
-        if active.ACTIVE.get() or route.lane is not None and route.lane.held_here():
+        if not route.lock_free and (active.ACTIVE.get() or route.lane is not None and route.lane.held_here()):
             self._refuse_reentry()
         watch = self._exit_watch
         if watch is None or watch() is None:  # no live with-statement exit set up the undo steps
@@ -288,8 +291,7 @@ class Transfer:
         self.state = HELD
         table = route.open
         if table is not None:
-            table.enter(self._held, self)
-            if self.key is not None and not table.claim_key(self._held, self.path, self.key, self):
+            if not table.enter(self._held, self):  # another open transfer has its key
                 self._release()
                 exc = TransferRejected(self.path, f"a {self.path} transfer is already open under key {self.key!r}")
                 self.reject(exc)
@@ -332,8 +334,6 @@ class Transfer:
         table = self.route.open
         if table is not None and self.outcome is None:
             table.enter(held, self)
-            if self.key is not None:
-                table.claim_key(held, self.path, self.key, self)
         if async_wait.waiting:
             async_wait.wake_waiters(self.route.lock)
 
@@ -362,7 +362,8 @@ class Transfer:
     def start(self, *, in_context: bool = False, skippable: bool = False) -> Transfer:
         """Acquire now (`obs.begin`, `with`); if that fails in any way, nothing stays held and the failure is
         recorded. `in_context`: the code that follows runs under the transfer (a with-block)."""
-        self._refuse_reuse()
+        if self.state != NEW:
+            self._refuse_reuse()
         try:
             self.acquire(skippable=skippable)
             if in_context:
@@ -400,7 +401,8 @@ class Transfer:
             raise
 
     async def __aenter__(self) -> Transfer:
-        self._refuse_reuse()
+        if self.state != NEW:
+            self._refuse_reuse()
         try:
             await self.acquire_async()
             active.enter(self)
@@ -418,8 +420,7 @@ class Transfer:
         return _DONE
 
     def _refuse_reuse(self) -> None:
-        if self.state != NEW:
-            raise RuntimeError(f"{self!r} was already entered or begun; create a new one per transfer")
+        raise RuntimeError(f"{self!r} was already entered or begun; create a new one per transfer")
 
     def check_copied(self, cache: Any = None, block_ids: Any = None) -> Any:
         """Before ending a reading transfer (write-back, send), check what its copy actually moved: `cache` at

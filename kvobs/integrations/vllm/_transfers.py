@@ -58,7 +58,8 @@ class Transfers:
         self.obs = obs
         self.mode = mode
         self._check = policy_for(mode)
-        self._sampler = None if self._check is False else IntegrityPolicy(every=every).sampler()
+        # None: every copy is checked (or none, when the mode is off), with no draw per copy
+        self._sampler = None if self._check is False or every == 1 else IntegrityPolicy(every=every).sampler()
         self.cache: Any = None
         self.block_bytes: int | None = None  # bytes a block holds across the checked caches, when known
         self.group_caches: list[Any] | None = None  # per KV group, when there are several
@@ -74,8 +75,8 @@ class Transfers:
         With several KV groups (`group_caches` set and `group_sizes` naming them), each group's ids are a
         transfer of their own, under (key, group), checked in that group's layers only: block ids are unique
         only within a group."""
-        check = self._check if self._sampler is not None and self._sampler.should_check() else False
-        groups = self._per_group(block_ids, group_sizes)
+        check = self._check if self._sampler is None or self._sampler.should_check() else False
+        groups = None if self.group_caches is None else self._per_group(block_ids, group_sizes)
         if groups is None:
             return self._begin(path, key, check, request_id, block_ids, group_sizes, self.cache, self.block_bytes,
                                trace_context)
@@ -89,7 +90,7 @@ class Transfers:
         return tuple(bad)
 
     def _per_group(self, block_ids: list[int], group_sizes: Any) -> list[tuple[int, list[int]]] | None:
-        if self.group_caches is None or group_sizes is None or len(group_sizes) != len(self.group_caches):
+        if group_sizes is None or len(group_sizes) != len(self.group_caches):
             return None
         groups = []
         start = 0
