@@ -60,12 +60,13 @@ def _medium_ids(spec: Any) -> set[tuple[str, int]] | None:
 class OffloadingWatch:
     """Observes one OffloadingWorker instance; `undo()` puts its methods back."""
 
-    def __init__(self, worker: Any, transfers: Transfers, result_type: type) -> None:
+    def __init__(self, worker: Any, transfers: Transfers, result_type: type, failures: list[LoadFailure]) -> None:
+        """failures: where the loads vLLM must hear about are added, for the worker side to report."""
         self.worker = worker
         self.transfers = transfers
         self.result_type = result_type  # vLLM's TransferResult, for the stores left out
         self.metadata: Any = None  # this connector's metadata for the step
-        self.failures: list[LoadFailure] = []
+        self.failures = failures
         self._store_requests: dict[int, Any] = {}
         self._loads: dict[int, _Load] = {}
         self._skipped: list[int] = []
@@ -88,10 +89,6 @@ class OffloadingWatch:
         """Jobs vLLM counted done without this worker (a rank that does not write stores)."""
         for job_id in job_ids:
             self._store_requests.pop(job_id, None)
-
-    def take_failures(self) -> list[LoadFailure]:
-        failures, self.failures = self.failures, []
-        return failures
 
     # -- the worker's methods ------------------------------------------------------------------------------
 

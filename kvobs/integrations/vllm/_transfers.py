@@ -161,6 +161,11 @@ class Transfers:
     def is_open(self, path: str, key: Any) -> bool:
         return any(self.obs.open_transfer(path, part) is not None for part in self._split.get((path, key), (key,)))
 
+    @property
+    def pending(self) -> bool:
+        """Whether `complete` kept a CorruptKVError for `raise_pending`."""
+        return self._pending is not None
+
     def raise_pending(self) -> None:
         """Raise the first CorruptKVError kept by `complete` under the `raise` mode, if any."""
         pending, self._pending = self._pending, None

@@ -35,9 +35,10 @@ class WorkerSide:
         self._offloading_worker = offloading_worker
         self._transfer_result = transfer_result
         self.watches: list[tuple[Any, OffloadingWatch]] = []
+        self._only_watch: OffloadingWatch | None = None  # the wrapped connector is one offloading connector
         self.receives = ReceiveWatch(transfers)
         self.sync = SyncWatch(transfers, block_size)
-        self._sync_failures: list[LoadFailure] = []
+        self.failures: list[LoadFailure] = []  # corrupt loads found since vLLM last asked for results
         self._receiving: list[Any] = []  # this step's metadata parts that name receives
         self._syncing: list[Any] = []  # ... and those of connectors that copy during the pass
         self.loads_in_step = False  # whether `loading` has anything to begin this step
@@ -57,7 +58,10 @@ class WorkerSide:
         for leaf, _ in leaves(wrapped):
             worker = getattr(getattr(leaf, "connector_worker", None), "worker", None)
             if isinstance(worker, self._offloading_worker) and self._watch(leaf) is None:
-                self.watches.append((leaf, OffloadingWatch(worker, self.transfers, self._transfer_result)))
+                self.watches.append((leaf, OffloadingWatch(worker, self.transfers, self._transfer_result,
+                                                           self.failures)))
+        if len(self.watches) == 1 and self.watches[0][0] is wrapped:
+            self._only_watch = self.watches[0][1]
 
     def _register_groups(self, kv_caches: Mapping[str, Any]) -> None:
         """Each KV group's own caches, so a block id is checked where that group keeps it."""
@@ -75,6 +79,9 @@ class WorkerSide:
         once per step to the watches that can use it. An offloading connector's part goes to its watch only,
         so a step that moves nothing costs the offloading path no more than handing it over."""
         self._trace_contexts = trace_contexts
+        if self._only_watch is not None:  # the metadata is all its own, every step
+            self._only_watch.metadata = metadata
+            return
         receiving = []
         syncing = []
         for leaf, part in leaves(wrapped, metadata):
@@ -121,7 +128,7 @@ class WorkerSide:
             if watch.metadata is not None:
                 watch.note_stores(watch.metadata)
         if self._syncing or self.sync.loads_open:
-            self._sync_failures.extend(self.sync.saving(self._syncing))
+            self.failures.extend(self.sync.saving(self._syncing))
 
     def saved(self) -> None:
         """After the wrapped `wait_for_save`, when `sync.stores_open`."""
@@ -129,6 +136,8 @@ class WorkerSide:
 
     def results(self, results: Any) -> Any:
         """After the wrapped `get_transfer_results`: end what it reports; corrupt loads told to vLLM."""
+        if not (results.finished_recving or results.failed_recving or self.failures or self.transfers.pending):
+            return results  # most steps: nothing ended, nothing to tell
         requests = self._report(self._finished(results.finished_recving, results.failed_recving))
         if requests:
             results = dataclasses.replace(results, finished_recving=set(results.finished_recving) | requests,
@@ -154,6 +163,10 @@ class WorkerSide:
 
     def worker_meta(self, wrapped: Any, meta: Any) -> None:
         """After the wrapped `build_connector_worker_meta`: jobs counted done without being submitted here."""
+        if self._only_watch is not None:
+            if isinstance(getattr(meta, "completed_jobs", None), Mapping):
+                self._only_watch.forget(meta.completed_jobs)
+            return
         for leaf, part in leaves(wrapped, meta):
             watch = self._watch(leaf)
             if watch is not None and isinstance(getattr(part, "completed_jobs", None), Mapping):
@@ -163,6 +176,7 @@ class WorkerSide:
         for _, watch in self.watches:
             watch.undo()
         self.watches = []
+        self._only_watch = None
 
     def _watch(self, leaf: Any) -> OffloadingWatch | None:
         for known, watch in self.watches:
@@ -172,10 +186,8 @@ class WorkerSide:
 
     def _finished(self, finished: Any, failed: Any) -> list[LoadFailure]:
         failures = self.receives.finish(finished, failed)
-        failures.extend(self._sync_failures)
-        self._sync_failures = []
-        for _, watch in self.watches:
-            failures.extend(watch.take_failures())
+        failures.extend(self.failures)
+        self.failures.clear()  # the list the watches add to: cleared, never replaced
         return failures
 
     def _report(self, failures: list[LoadFailure]) -> set[Any]:
