@@ -3,7 +3,9 @@ registration delay, starts the send on the layer0 signal, finishes the task when
 
 Unguarded, a layer0 signal for a slot whose task is not registered yet is dropped, the send never starts and
 the request hangs (detected here by a deadline, then aborted so the run goes on). Guarded, kvobs's
-EarlySignalBuffer keeps the signal until the task registers.
+EarlySignalBuffer keeps the signal until the task registers. A send is hung only once its layer0 signal was
+given: a forward pass that has not reached layer0 by the deadline (a loaded machine) is waited for, so the
+count measures lost signals, not the machine's speed.
 """
 
 from __future__ import annotations
@@ -119,6 +121,7 @@ class CacheMessager(QueueWorker[MessagerEvent]):
     _registered: dict[int, Request] = field(default_factory=dict, init=False)
     _deadline: dict[int, float] = field(default_factory=dict, init=False)
     _started: set[int] = field(default_factory=set, init=False)
+    _layer0_given: set[int] = field(default_factory=set, init=False)  # slots whose layer0 signal came
     _next_expire: float = field(default=0.0, init=False)
 
     def wait_s(self) -> float:
@@ -133,6 +136,8 @@ class CacheMessager(QueueWorker[MessagerEvent]):
                 heapq.heappush(self._due, (event.due, next(self._order), event.request))
                 self._register_due(time.monotonic())  # a zero delay registers before any signal queued after it
             case LayerReady():
+                if event.layer == 0:
+                    self._layer0_given.add(event.slot)
                 started = event.slot in self._started
                 if self.signals.layer_ready(event, event.slot in self._registered) and not started:
                     self._start(self._registered[event.slot])
@@ -162,6 +167,9 @@ class CacheMessager(QueueWorker[MessagerEvent]):
 
     def _abort_hung(self, now: float) -> None:
         for slot in [s for s, due in self._deadline.items() if s not in self._started and due <= now]:
+            if slot not in self._layer0_given:  # the forward pass is late, not the signal lost: wait again
+                self._deadline[slot] = now + self.send_deadline_s
+                continue
             req = self._registered[slot]
             self.stats.add(hung_sends=1)
             self.signals.hung(slot)
@@ -174,3 +182,4 @@ class CacheMessager(QueueWorker[MessagerEvent]):
         self._registered.pop(slot, None)
         self._deadline.pop(slot, None)
         self._started.discard(slot)
+        self._layer0_given.discard(slot)
