@@ -47,15 +47,22 @@ from kvobs.telemetry._tracing import call_in_span
 FAST_SPECS = frozenset({"block_ids", "keys", "sync", "nbytes", "request_id"})
 NOOP: Callable[[], Any] = bool  # what `arm` stores when the lock was busy; returns False, so `all()` stops
 _SECOND = operator.itemgetter(1)
-_NEW_OBJECT = object.__new__
 
 
 class Slot:
     """One thread's fast-path calls on one lock, reused call after call. `t`, the call's Transfer with its
     `t_begin`, is set before `arm` runs, so whoever sees a release in `pending` reads that call's transfer,
-    or a later call's."""
+    or a later call's.
 
-    __slots__ = ("__weakref__", "arm", "drain", "pending", "release", "t")
+    `spare`: transfers of calls naming nothing that this thread ended ok and recorded, for its next such
+    calls to reuse. A call owns the transfer it pops (one C call, so a guarded call made in a signal handler
+    or a finalizer on this thread pops another, or builds one); only the call that ended its own transfer
+    puts it back. One that failed (it holds the error), was abandoned (the deadline thread records it), was
+    traced (its span), or was interrupted before the end is never put back: the next call builds a new one.
+    Nothing outside kvobs ever holds a fast-path transfer (hooks get a TransferRecord, no error names it).
+    """
+
+    __slots__ = ("__weakref__", "arm", "drain", "pending", "release", "spare", "t")
 
     def __init__(self, try_acquire: Callable[[bool], bool], release: Callable[[], Any]) -> None:
         pending: dict[int, Callable[[], Any]] = {}
@@ -66,6 +73,7 @@ class Slot:
                        map(outcome.__getitem__, map(try_acquire, itertools.repeat(False))))
         self.drain = map(CALL, map(_SECOND, map(dict.popitem, itertools.repeat(pending))))
         self.t: Transfer | None = None  # the call that holds, or held last
+        self.spare: list[Transfer] = []
 
     def holds(self) -> bool:
         return self.release in self.pending.values()
@@ -184,15 +192,22 @@ def guarded(route: Any, func: Callable[..., Any], resolvers: dict[str, Callable[
     def guarded_call(*args: Any, **kwargs: Any) -> Any:
         """Written out flat, and in this order on purpose: see the module docstring. A call under another guarded
         call on this lock finds it busy and goes to the general path, which refuses it as re-entry."""
-        slot = getattr(local, "slot", None) or lane.new_slot()
+        try:
+            slot = local.slot
+        except AttributeError:
+            slot = lane.new_slot()
         # nested in this thread's own call (leave that call's transfer alone), or values that do not validate
         if slot.pending:
             return general(*args, **kwargs)
-        if validated is None:  # names nothing: the transfer claims the whole cache (fast_path_transfer, inlined)
-            t = _NEW_OBJECT(Transfer)
-            t.route = route
-            t.path = path
-            t.claim = whole_cache
+        if validated is None:  # names nothing: the transfer claims the whole cache
+            try:
+                t = slot.spare.pop()
+            except IndexError:
+                t = reusable_transfer(route)
+            if t.route is not route:  # another guard's on this lock
+                t.route = route
+                t.path = path
+                t.claim = whole_cache
         else:
             t = validated(args, kwargs)
             if t is None:
@@ -201,7 +216,7 @@ def guarded(route: Any, func: Callable[..., Any], resolvers: dict[str, Callable[
         t.t_begin = t0
         t.t_acquired = t0  # a free lock at the first try: no wait
         slot.t = t
-        span = context = None
+        span = None
         try:
             if next(slot.arm) is NOOP:
                 all(slot.drain)  # nothing held: the general path waits for the lock
@@ -210,7 +225,8 @@ def guarded(route: Any, func: Callable[..., Any], resolvers: dict[str, Callable[
             lock.held_since = t0
             t.state = HELD
             if tracing is not None and (tracing.tracer is not None or t0 >= tracing.recheck_at):
-                span = t.span = recorder.start_span(t, context := get_current())  # None: no provider after all
+                context = get_current()
+                span = t.span = recorder.start_span(t, context)  # None: no provider after all
             result = func(*args, **kwargs) if span is None else call_in_span(span, func, args, kwargs, context)
             if result is not None and isawaitable(result):
                 refuse_awaitable(func, result)
@@ -218,7 +234,8 @@ def guarded(route: Any, func: Callable[..., Any], resolvers: dict[str, Callable[
             ended_here = True
             try:
                 all(slot.drain)
-            except KeyError:  # the deadline thread released it and recorded the call
+            except KeyError:
+                abandoned(slot)
                 ended_here = False
             if ended_here:
                 t.state = FAILED
@@ -229,13 +246,16 @@ def guarded(route: Any, func: Callable[..., Any], resolvers: dict[str, Callable[
         try:
             all(slot.drain)
         except KeyError:
-            return result  # abandoned past its deadline: already recorded
+            abandoned(slot)
+            return result
         if async_wait.waiting:
             async_wait.wake_waiters(lock)
         t.state = DONE
         t.outcome = sc.OUTCOME_OK
         t.t_end = perf_counter()
         recorder.ended(t)
+        if span is None and validated is None:
+            slot.spare.append(t)
         return result
 
     return guarded_call
@@ -284,6 +304,26 @@ def _validating(route: Any, resolvers: dict[str, Callable[[tuple, dict], Any]]
         return t
 
     return new
+
+
+def reusable_transfer(route: Any) -> Transfer:
+    """A transfer for this thread's calls naming nothing to reuse (`Slot.spare`). The fields the recorder reads
+    are set on it once: read from the transfer itself, each is one specialised load in the interpreter, where
+    a class default costs a lookup that misses in the instance first."""
+    t = fast_path_transfer(route)
+    t.span = None
+    t.blocks = None
+    t.nbytes = None
+    t.requests = None
+    t.reported_moved = None
+    return t
+
+
+def abandoned(slot: Slot) -> None:
+    """The deadline thread released this thread's call and records its transfer. The slot's spare transfers are
+    dropped too: a guarded call made in a signal handler on this thread between the call's `slot.t = t` and its
+    `arm` left its own transfer there, spare, and that is the one the deadline thread read as the call's."""
+    slot.spare.clear()
 
 
 def _record(t: Transfer) -> None:
