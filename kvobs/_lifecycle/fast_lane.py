@@ -54,12 +54,14 @@ class Slot:
     `t_begin`, is set before `arm` runs, so whoever sees a release in `pending` reads that call's transfer,
     or a later call's.
 
-    `spare`: transfers of calls naming nothing that this thread ended ok and recorded, for its next such
-    calls to reuse. A call owns the transfer it pops (one C call, so a guarded call made in a signal handler
-    or a finalizer on this thread pops another, or builds one); only the call that ended its own transfer
-    puts it back. One that failed (it holds the error), was abandoned (the deadline thread records it), was
-    traced (its span), or was interrupted before the end is never put back: the next call builds a new one.
-    Nothing outside kvobs ever holds a fast-path transfer (hooks get a TransferRecord, no error names it).
+    `spare`: the transfer of each guard's last call that this thread ended ok and recorded, for that guard's
+    next call here to reuse (keyed by the route of a guard naming nothing, by the validator of one naming
+    values, whose calls set all of them). A call owns the transfer it pops (one C call, so a guarded call
+    made in a signal handler or a finalizer on this thread finds none and builds its own); only the call
+    that ended its own transfer puts it back. One that failed (it holds the error), was abandoned (the
+    deadline thread records it), was traced (its span), or was interrupted before its end is never put
+    back: the next call builds a new one. Nothing outside kvobs ever holds a fast-path transfer (hooks get
+    a TransferRecord, no error names it).
     """
 
     __slots__ = ("__weakref__", "arm", "drain", "pending", "release", "spare", "t")
@@ -73,7 +75,7 @@ class Slot:
                        map(outcome.__getitem__, map(try_acquire, itertools.repeat(False))))
         self.drain = map(CALL, map(_SECOND, map(dict.popitem, itertools.repeat(pending))))
         self.t: Transfer | None = None  # the call that holds, or held last
-        self.spare: list[Transfer] = []
+        self.spare: dict[Any, Transfer] = {}
 
     def holds(self) -> bool:
         return self.release in self.pending.values()
@@ -182,7 +184,7 @@ def guarded(route: Any, func: Callable[..., Any], resolvers: dict[str, Callable[
     if lane is None or not resolvers.keys() <= FAST_SPECS:
         return None
     validated = _validating(route, resolvers) if resolvers else None
-    whole_cache = route.whole_cache
+    reuse_key = route if validated is None else validated
     recorder = route.recorder
     local = lane.local
     lock = route.lock
@@ -200,16 +202,11 @@ def guarded(route: Any, func: Callable[..., Any], resolvers: dict[str, Callable[
         if slot.pending:
             return general(*args, **kwargs)
         if validated is None:  # names nothing: the transfer claims the whole cache
-            try:
-                t = slot.spare.pop()
-            except IndexError:
+            t = slot.spare.pop(route, None)
+            if t is None:
                 t = reusable_transfer(route)
-            if t.route is not route:  # another guard's on this lock
-                t.route = route
-                t.path = path
-                t.claim = whole_cache
         else:
-            t = validated(args, kwargs)
+            t = validated(args, kwargs, slot.spare)
             if t is None:
                 return general(*args, **kwargs)
         t0 = perf_counter()
@@ -227,7 +224,12 @@ def guarded(route: Any, func: Callable[..., Any], resolvers: dict[str, Callable[
             if tracing is not None and (tracing.tracer is not None or t0 >= tracing.recheck_at):
                 context = get_current()
                 span = t.span = recorder.start_span(t, context)  # None: no provider after all
-            result = func(*args, **kwargs) if span is None else call_in_span(span, func, args, kwargs, context)
+            if span is not None:
+                result = call_in_span(span, func, args, kwargs, context)
+            elif kwargs:
+                result = func(*args, **kwargs)
+            else:  # no keywords: no dict built to pass them on
+                result = func(*args)
             if result is not None and isawaitable(result):
                 refuse_awaitable(func, result)
         except BaseException as exc:
@@ -235,7 +237,7 @@ def guarded(route: Any, func: Callable[..., Any], resolvers: dict[str, Callable[
             try:
                 all(slot.drain)
             except KeyError:
-                abandoned(slot)
+                _drop_spares(slot)
                 ended_here = False
             if ended_here:
                 t.state = FAILED
@@ -246,7 +248,7 @@ def guarded(route: Any, func: Callable[..., Any], resolvers: dict[str, Callable[
         try:
             all(slot.drain)
         except KeyError:
-            abandoned(slot)
+            _drop_spares(slot)
             return result
         if async_wait.waiting:
             async_wait.wake_waiters(lock)
@@ -254,15 +256,15 @@ def guarded(route: Any, func: Callable[..., Any], resolvers: dict[str, Callable[
         t.outcome = sc.OUTCOME_OK
         t.t_end = perf_counter()
         recorder.ended(t)
-        if span is None and validated is None:
-            slot.spare.append(t)
+        if span is None:
+            slot.spare[reuse_key] = t
         return result
 
     return guarded_call
 
 
 def _validating(route: Any, resolvers: dict[str, Callable[[tuple, dict], Any]]
-                ) -> Callable[[tuple, dict], Transfer | None]:
+                ) -> Callable[[tuple, dict, dict[Any, Transfer]], Transfer | None]:
     """Per call: the transfer with its values validated as the general path validates them, or None for the
     general path (a value that does not resolve or validate, which that path then rejects, or an empty list
     of blocks, which claims nothing)."""
@@ -276,7 +278,7 @@ def _validating(route: Any, resolvers: dict[str, Callable[[tuple, dict], Any]]
     page_size = route.page_size
     sync_required = route.sync_required
 
-    def new(args: tuple, kwargs: dict) -> Transfer | None:
+    def new(args: tuple, kwargs: dict, spare: dict[Any, Transfer]) -> Transfer | None:
         try:
             if sync is not None:
                 validate_sync(path, sync(args, kwargs), sync_required=sync_required, completes_later=False)
@@ -292,24 +294,22 @@ def _validating(route: Any, resolvers: dict[str, Callable[[tuple, dict], Any]]
             given_request = None if request_id is None else request_id(args, kwargs)
         except Exception:  # noqa: BLE001 - the general path resolves the call again and reports what is wrong
             return None  # (said outright: falling off the end would return None too)
-        t = fast_path_transfer(route)
-        if blocks is not None:
-            t.blocks = blocks
-        if given_keys is not None:
-            t.keys = given_keys
-        if size is not None:
-            t.nbytes = size
-        if given_request is not None:
-            t.request_id = given_request
+        t = spare.pop(new, None)  # this guard's last transfer here (`Slot.spare`), which these four overwrite
+        if t is None:
+            t = reusable_transfer(route)
+        t.blocks = blocks
+        t.keys = given_keys
+        t.nbytes = size
+        t.request_id = given_request
         return t
 
     return new
 
 
 def reusable_transfer(route: Any) -> Transfer:
-    """A transfer for this thread's calls naming nothing to reuse (`Slot.spare`). The fields the recorder reads
-    are set on it once: read from the transfer itself, each is one specialised load in the interpreter, where
-    a class default costs a lookup that misses in the instance first."""
+    """A transfer for one guard's calls on this thread to reuse (`Slot.spare`). The fields the recorder reads at
+    every end are set on it once: read from the transfer itself, each is one specialised load in the
+    interpreter, where a class default costs a lookup that misses in the instance first."""
     t = fast_path_transfer(route)
     t.span = None
     t.blocks = None
@@ -319,10 +319,10 @@ def reusable_transfer(route: Any) -> Transfer:
     return t
 
 
-def abandoned(slot: Slot) -> None:
+def _drop_spares(slot: Slot) -> None:
     """The deadline thread released this thread's call and records its transfer. The slot's spare transfers are
     dropped too: a guarded call made in a signal handler on this thread between the call's `slot.t = t` and its
-    `arm` left its own transfer there, spare, and that is the one the deadline thread read as the call's."""
+    `arm` may have left its own there, and that is the one the deadline thread read as the call's."""
     slot.spare.clear()
 
 
