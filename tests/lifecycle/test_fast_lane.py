@@ -418,24 +418,31 @@ def test_calls_of_several_guards_on_one_thread_each_record_their_own_values(hook
     def fail():
         raise OSError("link down")
 
+    @obs.write_back(block_ids="ids", nbytes="size", request_id="rid")
+    def write_sized(ids, size=None, rid=None):
+        return size
+
     for _ in range(2):
         assert write() == "written" and send() == "sent" and load([4, 5], "req-1") == [4, 5]
         with pytest.raises(OSError):
             fail()
         assert send() == "sent" and write() == "written"
-    assert value(obs, sc.TRANSFERS_TOTAL, path="write_back", outcome="ok") == 4
+        assert write_sized([1], 100, "req-2") == 100 and write_sized([2, 3]) is None  # its last call's values, gone
+    assert value(obs, sc.TRANSFERS_TOTAL, path="write_back", outcome="ok") == 8
+    assert value(obs, sc.TRANSFER_BLOCKS_TOTAL, path="write_back") == 6
+    assert value(obs, sc.TRANSFER_BYTES_TOTAL, path="write_back") == 2 * (100 + 2 * 4096)
     assert value(obs, sc.TRANSFERS_TOTAL, path="send", outcome="ok") == 4
     assert value(obs, sc.TRANSFERS_TOTAL, path="send", outcome="error") == 2
     assert value(obs, sc.TRANSFERS_TOTAL, path="prefetch", outcome="ok") == 2
     assert value(obs, sc.TRANSFER_BLOCKS_TOTAL, path="prefetch") == 4
     assert value(obs, sc.TRANSFER_BYTES_TOTAL, path="prefetch") == 4 * 4096
-    assert value(obs, sc.TRANSFER_BLOCKS_TOTAL, path="write_back") == 0
     assert value(obs, sc.TRANSFER_BLOCKS_TOTAL, path="send") == 0
     if hooked:
         assert [(r.path, r.outcome, r.blocks, r.bytes, r.request_id, type(r.error).__name__) for r in records] == [
             ("write_back", "ok", 0, 0, None, "NoneType"), ("send", "ok", 0, 0, None, "NoneType"),
             ("prefetch", "ok", 2, 2 * 4096, "req-1", "NoneType"), ("send", "error", 0, 0, None, "OSError"),
-            ("send", "ok", 0, 0, None, "NoneType"), ("write_back", "ok", 0, 0, None, "NoneType")] * 2
+            ("send", "ok", 0, 0, None, "NoneType"), ("write_back", "ok", 0, 0, None, "NoneType"),
+            ("write_back", "ok", 1, 100, "req-2", "NoneType"), ("write_back", "ok", 2, 2 * 4096, None, "NoneType")] * 2
     assert lock_is_free(obs.lock)
 
 
