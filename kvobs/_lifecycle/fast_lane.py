@@ -6,7 +6,8 @@ Why: the general path (transfer.py) gives every transfer an undo deque, a one-sh
 open-transfer table, because such a transfer may end on another thread, later, or by key. A call that holds the
 lock only while it runs needs none of that, only the same guarantees, which this path keeps with one reusable
 Slot per thread and lock instead of per-call bookkeeping. The call is still a `Transfer` (validated by the same
-checks, recorded through the same `Recorder.ended`); only who takes and releases its lock differs:
+checks, recorded through the same `Recorder.ended`); only who takes and releases its lock differs, and a
+guard's calls on one thread reuse one transfer, which only the call that ended it hands on (`Slot.spare`):
 
 - Acquire and record in one C call: `next(slot.arm)` runs `try_acquire(False)` and stores the lock's
   release (NOOP when the lock was busy) in `slot.pending` under a fresh key, so an interrupt right after
@@ -293,7 +294,7 @@ def _validating(route: Any, resolvers: dict[str, Callable[[tuple, dict], Any]]
             validate_nbytes(path, size)
             given_request = None if request_id is None else request_id(args, kwargs)
         except Exception:  # noqa: BLE001 - the general path resolves the call again and reports what is wrong
-            return None  # (said outright: falling off the end would return None too)
+            return None
         t = spare.pop(new, None)  # this guard's last transfer here (`Slot.spare`), which these four overwrite
         if t is None:
             t = reusable_transfer(route)
