@@ -75,7 +75,7 @@ MODULE_TESTS: dict[str, list[str]] = {
         "tests/lifecycle/test_async_engines.py", "tests/lifecycle/test_lifecycle_reliability.py", "tests/lifecycle/test_batches.py",
         "tests/integrity/test_integrity_wiring.py", "tests/telemetry/test_trace_propagation.py",
     ],
-    "kvobs/_lifecycle/fast_lane.py,kvobs/lane_values.py": [
+    "kvobs/_lifecycle/fast_lane.py": [
         "tests/lifecycle/test_fast_lane.py", "tests/lifecycle/test_guard.py", "tests/lifecycle/test_faults.py", "tests/lifecycle/test_lifecycle_reliability.py",
     ],
     "kvobs/guard.py": [
@@ -125,12 +125,9 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
         "only reached when block != expected",
     **{("kvobs/_lifecycle/fast_lane.py", where, "if async_wait.waiting:", "condition -> True"):
        "performance only: with no coroutine waiting, wake_waiters finds no waiters and does nothing"
-       for where in ("fast_call.guarded", "_record")},
-    ("kvobs/lane_values.py", "lane_values.values",
-     "return None  # (said outright: falling off the end would return None too)", "statement removed"):
-        "the function ends there: without the return it returns None all the same",
+       for where in ("guarded.guarded_call", "_record")},
     ("kvobs/_lifecycle/fast_lane.py", "Slot.expired_keys",
-     "return keys if keys and self.t_begin + self.route.deadline_s <= now else []", "'<=' -> '<'"):
+     "return keys if keys and t.t_begin + t.route.deadline_s <= now else []", "'<=' -> '<'"):
         "a deadline met to the exact float by a polling thread: '<' abandons the same call one poll later",
     ("kvobs/_lifecycle/active.py", "<module>",
      'ACTIVE: ContextVar[tuple[Any, ...]] = ContextVar("kvobs_active_transfers", default=())',

@@ -6,7 +6,8 @@ Why: the general path (transfer.py) gives every transfer an undo deque, a one-sh
 open-transfer table, because such a transfer may end on another thread, later, or by key. A call that holds the
 lock only while it runs needs none of that, only the same guarantees, which this path keeps with one reusable
 Slot per thread and lock instead of per-call bookkeeping. The call is still a `Transfer` (validated by the same
-checks, recorded through the same `Recorder.ended`); only who takes and releases its lock differs:
+checks, recorded through the same `Recorder.ended`); only who takes and releases its lock differs, and a
+guard's calls on one thread reuse one transfer, which only the call that ended it hands on (`Slot.spare`):
 
 - Acquire and record in one C call: `next(slot.arm)` runs `try_acquire(False)` and stores the lock's
   release (NOOP when the lock was busy) in `slot.pending` under a fresh key, so an interrupt right after
@@ -47,15 +48,24 @@ from kvobs.telemetry._tracing import call_in_span
 FAST_SPECS = frozenset({"block_ids", "keys", "sync", "nbytes", "request_id"})
 NOOP: Callable[[], Any] = bool  # what `arm` stores when the lock was busy; returns False, so `all()` stops
 _SECOND = operator.itemgetter(1)
-_NEW_OBJECT = object.__new__
 
 
 class Slot:
     """One thread's fast-path calls on one lock, reused call after call. `t`, the call's Transfer with its
     `t_begin`, is set before `arm` runs, so whoever sees a release in `pending` reads that call's transfer,
-    or a later call's."""
+    or a later call's.
 
-    __slots__ = ("__weakref__", "arm", "drain", "pending", "release", "t")
+    `spare`: the transfer of each guard's last call that this thread ended ok and recorded, for that guard's
+    next call here to reuse (keyed by the route of a guard naming nothing, by the validator of one naming
+    values, whose calls set all of them). A call owns the transfer it pops (one C call, so a guarded call
+    made in a signal handler or a finalizer on this thread finds none and builds its own); only the call
+    that ended its own transfer puts it back. One that failed (it holds the error), was abandoned (the
+    deadline thread records it), was traced (its span), or was interrupted before its end is never put
+    back: the next call builds a new one. Nothing outside kvobs ever holds a fast-path transfer (hooks get
+    a TransferRecord, no error names it).
+    """
+
+    __slots__ = ("__weakref__", "arm", "drain", "pending", "release", "spare", "t")
 
     def __init__(self, try_acquire: Callable[[bool], bool], release: Callable[[], Any]) -> None:
         pending: dict[int, Callable[[], Any]] = {}
@@ -66,6 +76,7 @@ class Slot:
                        map(outcome.__getitem__, map(try_acquire, itertools.repeat(False))))
         self.drain = map(CALL, map(_SECOND, map(dict.popitem, itertools.repeat(pending))))
         self.t: Transfer | None = None  # the call that holds, or held last
+        self.spare: dict[Any, Transfer] = {}
 
     def holds(self) -> bool:
         return self.release in self.pending.values()
@@ -174,7 +185,7 @@ def guarded(route: Any, func: Callable[..., Any], resolvers: dict[str, Callable[
     if lane is None or not resolvers.keys() <= FAST_SPECS:
         return None
     validated = _validating(route, resolvers) if resolvers else None
-    whole_cache = route.whole_cache
+    reuse_key = route if validated is None else validated
     recorder = route.recorder
     local = lane.local
     lock = route.lock
@@ -184,24 +195,26 @@ def guarded(route: Any, func: Callable[..., Any], resolvers: dict[str, Callable[
     def guarded_call(*args: Any, **kwargs: Any) -> Any:
         """Written out flat, and in this order on purpose: see the module docstring. A call under another guarded
         call on this lock finds it busy and goes to the general path, which refuses it as re-entry."""
-        slot = getattr(local, "slot", None) or lane.new_slot()
+        try:
+            slot = local.slot
+        except AttributeError:
+            slot = lane.new_slot()
         # nested in this thread's own call (leave that call's transfer alone), or values that do not validate
         if slot.pending:
             return general(*args, **kwargs)
-        if validated is None:  # names nothing: the transfer claims the whole cache (fast_path_transfer, inlined)
-            t = _NEW_OBJECT(Transfer)
-            t.route = route
-            t.path = path
-            t.claim = whole_cache
+        if validated is None:  # names nothing: the transfer claims the whole cache
+            t = slot.spare.pop(route, None)
+            if t is None:
+                t = reusable_transfer(route)
         else:
-            t = validated(args, kwargs)
+            t = validated(args, kwargs, slot.spare)
             if t is None:
                 return general(*args, **kwargs)
         t0 = perf_counter()
         t.t_begin = t0
         t.t_acquired = t0  # a free lock at the first try: no wait
         slot.t = t
-        span = context = None
+        span = None
         try:
             if next(slot.arm) is NOOP:
                 all(slot.drain)  # nothing held: the general path waits for the lock
@@ -210,15 +223,22 @@ def guarded(route: Any, func: Callable[..., Any], resolvers: dict[str, Callable[
             lock.held_since = t0
             t.state = HELD
             if tracing is not None and (tracing.tracer is not None or t0 >= tracing.recheck_at):
-                span = t.span = recorder.start_span(t, context := get_current())  # None: no provider after all
-            result = func(*args, **kwargs) if span is None else call_in_span(span, func, args, kwargs, context)
+                context = get_current()
+                span = t.span = recorder.start_span(t, context)  # None: no provider after all
+            if span is not None:
+                result = call_in_span(span, func, args, kwargs, context)
+            elif kwargs:
+                result = func(*args, **kwargs)
+            else:  # no keywords: no dict built to pass them on
+                result = func(*args)
             if result is not None and isawaitable(result):
                 refuse_awaitable(func, result)
         except BaseException as exc:
             ended_here = True
             try:
                 all(slot.drain)
-            except KeyError:  # the deadline thread released it and recorded the call
+            except KeyError:
+                _drop_spares(slot)
                 ended_here = False
             if ended_here:
                 t.state = FAILED
@@ -229,20 +249,23 @@ def guarded(route: Any, func: Callable[..., Any], resolvers: dict[str, Callable[
         try:
             all(slot.drain)
         except KeyError:
-            return result  # abandoned past its deadline: already recorded
+            _drop_spares(slot)
+            return result
         if async_wait.waiting:
             async_wait.wake_waiters(lock)
         t.state = DONE
         t.outcome = sc.OUTCOME_OK
         t.t_end = perf_counter()
         recorder.ended(t)
+        if span is None:
+            slot.spare[reuse_key] = t
         return result
 
     return guarded_call
 
 
 def _validating(route: Any, resolvers: dict[str, Callable[[tuple, dict], Any]]
-                ) -> Callable[[tuple, dict], Transfer | None]:
+                ) -> Callable[[tuple, dict, dict[Any, Transfer]], Transfer | None]:
     """Per call: the transfer with its values validated as the general path validates them, or None for the
     general path (a value that does not resolve or validate, which that path then rejects, or an empty list
     of blocks, which claims nothing)."""
@@ -256,7 +279,7 @@ def _validating(route: Any, resolvers: dict[str, Callable[[tuple, dict], Any]]
     page_size = route.page_size
     sync_required = route.sync_required
 
-    def new(args: tuple, kwargs: dict) -> Transfer | None:
+    def new(args: tuple, kwargs: dict, spare: dict[Any, Transfer]) -> Transfer | None:
         try:
             if sync is not None:
                 validate_sync(path, sync(args, kwargs), sync_required=sync_required, completes_later=False)
@@ -271,19 +294,37 @@ def _validating(route: Any, resolvers: dict[str, Callable[[tuple, dict], Any]]
             validate_nbytes(path, size)
             given_request = None if request_id is None else request_id(args, kwargs)
         except Exception:  # noqa: BLE001 - the general path resolves the call again and reports what is wrong
-            return None  # (said outright: falling off the end would return None too)
-        t = fast_path_transfer(route)
-        if blocks is not None:
-            t.blocks = blocks
-        if given_keys is not None:
-            t.keys = given_keys
-        if size is not None:
-            t.nbytes = size
-        if given_request is not None:
-            t.request_id = given_request
+            return None
+        t = spare.pop(new, None)  # this guard's last transfer here (`Slot.spare`), which these four overwrite
+        if t is None:
+            t = reusable_transfer(route)
+        t.blocks = blocks
+        t.keys = given_keys
+        t.nbytes = size
+        t.request_id = given_request
         return t
 
     return new
+
+
+def reusable_transfer(route: Any) -> Transfer:
+    """A transfer for one guard's calls on this thread to reuse (`Slot.spare`). The fields the recorder reads at
+    every end are set on it once: read from the transfer itself, each is one specialised load in the
+    interpreter, where a class default costs a lookup that misses in the instance first."""
+    t = fast_path_transfer(route)
+    t.span = None
+    t.blocks = None
+    t.nbytes = None
+    t.requests = None
+    t.reported_moved = None
+    return t
+
+
+def _drop_spares(slot: Slot) -> None:
+    """The deadline thread released this thread's call and records its transfer. The slot's spare transfers are
+    dropped too: a guarded call made in a signal handler on this thread between the call's `slot.t = t` and its
+    `arm` may have left its own there, and that is the one the deadline thread read as the call's."""
+    slot.spare.clear()
 
 
 def _record(t: Transfer) -> None:

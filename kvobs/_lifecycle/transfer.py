@@ -67,7 +67,8 @@ CorruptHandler = Callable[["Transfer", tuple[int, ...]], Any]
 
 def fast_path_transfer(route: Route) -> Transfer:
     """A transfer whose lock `kvobs._lifecycle.fast_lane` takes and releases, claiming the whole cache: built without
-    `__init__`, whose one-shot token that path does not use (see `Transfer._ending`)."""
+    `__init__`, whose one-shot token that path does not use (see `Transfer._ending`). That path reuses it for
+    one guard's calls on one thread (`fast_lane.Slot.spare`)."""
     t = _NEW_OBJECT(Transfer)
     t.route = route
     t.path = route.path

@@ -229,6 +229,32 @@ class Recorder:
         """The transfer is over (ok, error or abandoned): one record of everything. Written flat: every
         guarded call ends here."""
         span = t.span
+        if span is None and self._ok_counts_only and t.outcome == sc.OUTCOME_OK and not t.requests:
+            # ok, and only metrics record it (no span, hook, log line or batch): its one `finished()`, worked out as
+            # below. A transfer that took its lock at once (every one on the fast path) waited nothing and held it
+            # for its whole duration: no subtraction for either.
+            try:
+                begin = t.t_begin
+                acquired = t.t_acquired
+                end = t.t_end
+                duration = end - begin
+                if acquired == begin:
+                    wait = 0.0
+                    hold = duration
+                else:
+                    wait = acquired - begin
+                    hold = end - acquired if end > acquired else 0.0
+                counted = t.reported_moved
+                if counted is None:
+                    counted = t.blocks
+                blocks = 0 if counted is None else counted.count
+                nbytes = t.nbytes
+                if nbytes is None:
+                    nbytes = blocks * self.block_bytes
+                self.metrics.finished(sc.OUTCOME_OK, duration, wait, hold, blocks, nbytes, None)
+            except Exception as exc:  # noqa: BLE001 - whatever this layer gets wrong, the engine's call is unaffected
+                self.failed("metrics", exc)
+            return
         if span is None and self._records_nothing:
             return
         try:
@@ -255,9 +281,6 @@ class Recorder:
                 if nbytes is None:
                     nbytes = blocks * self.block_bytes
             metrics = self.metrics
-            if moved is None and span is None and self._ok_counts_only and t.outcome == sc.OUTCOME_OK:
-                metrics.finished(sc.OUTCOME_OK, duration, wait, hold, blocks, nbytes, None)  # all that records it
-                return
             if metrics is not None:
                 try:
                     if self.holder:

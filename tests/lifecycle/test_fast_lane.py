@@ -395,6 +395,114 @@ def test_the_deadline_thread_never_takes_a_later_calls_release():
     assert slot.pending == {}
 
 
+@pytest.mark.parametrize("hooked", [True, False])
+def test_calls_of_several_guards_on_one_thread_each_record_their_own_values(hooked):
+    """A thread's fast-path calls on one lock share a slot, which reuses its transfers: each call is still
+    recorded with its own path, blocks, bytes, request and error, whichever guard ran before it."""
+    records = []
+    obs = observer(block_bytes=4096, hooks=[records.append] if hooked else [])
+
+    @obs.write_back()
+    def write():
+        return "written"
+
+    @obs.send()
+    def send():
+        return "sent"
+
+    @obs.prefetch(block_ids="ids", request_id="rid")
+    def load(ids, rid):
+        return ids
+
+    @obs.send()
+    def fail():
+        raise OSError("link down")
+
+    @obs.write_back(block_ids="ids", nbytes="size", request_id="rid")
+    def write_sized(ids, size=None, rid=None):
+        return size
+
+    for _ in range(2):
+        assert write() == "written" and send() == "sent" and load([4, 5], "req-1") == [4, 5]
+        with pytest.raises(OSError):
+            fail()
+        assert send() == "sent" and write() == "written"
+        assert write_sized([1], 100, "req-2") == 100 and write_sized([2, 3]) is None  # its last call's values, gone
+    assert value(obs, sc.TRANSFERS_TOTAL, path="write_back", outcome="ok") == 8
+    assert value(obs, sc.TRANSFER_BLOCKS_TOTAL, path="write_back") == 6
+    assert value(obs, sc.TRANSFER_BYTES_TOTAL, path="write_back") == 2 * (100 + 2 * 4096)
+    assert value(obs, sc.TRANSFERS_TOTAL, path="send", outcome="ok") == 4
+    assert value(obs, sc.TRANSFERS_TOTAL, path="send", outcome="error") == 2
+    assert value(obs, sc.TRANSFERS_TOTAL, path="prefetch", outcome="ok") == 2
+    assert value(obs, sc.TRANSFER_BLOCKS_TOTAL, path="prefetch") == 4
+    assert value(obs, sc.TRANSFER_BYTES_TOTAL, path="prefetch") == 4 * 4096
+    assert value(obs, sc.TRANSFER_BLOCKS_TOTAL, path="send") == 0
+    if hooked:
+        assert [(r.path, r.outcome, r.blocks, r.bytes, r.request_id, type(r.error).__name__) for r in records] == [
+            ("write_back", "ok", 0, 0, None, "NoneType"), ("send", "ok", 0, 0, None, "NoneType"),
+            ("prefetch", "ok", 2, 2 * 4096, "req-1", "NoneType"), ("send", "error", 0, 0, None, "OSError"),
+            ("send", "ok", 0, 0, None, "NoneType"), ("write_back", "ok", 0, 0, None, "NoneType"),
+            ("write_back", "ok", 1, 100, "req-2", "NoneType"), ("write_back", "ok", 2, 2 * 4096, None, "NoneType")] * 2
+    assert lock_is_free(obs.lock)
+
+
+def test_a_hook_making_a_guarded_call_on_the_same_lock_is_recorded_apart():
+    """A hook runs on the calling thread once the lock is released, before the call has finished: a guarded
+    call it makes there takes the fast path too, with a transfer of its own."""
+    records = []
+
+    def hook(record):
+        records.append(record)
+        if record.path == "write_back":
+            assert send() == "sent"
+
+    obs = observer(hooks=[hook])
+
+    @obs.send()
+    def send():
+        return "sent"
+
+    @obs.write_back()
+    def write():
+        return "written"
+
+    assert write() == "written" and write() == "written"
+    assert [(r.path, r.outcome) for r in records] == [("write_back", "ok"), ("send", "ok")] * 2
+    assert value(obs, sc.TRANSFERS_TOTAL, path="send", outcome="ok") == 2
+    assert lock_is_free(obs.lock) and not lane_slot(obs, "send").pending
+
+
+def test_an_abandoned_calls_transfer_stays_the_deadline_threads():
+    """The slot reuses the transfer of a call its thread ended; the transfer of an abandoned call is the deadline
+    thread's, which records it, so the thread's next call takes another."""
+    records = []
+    obs = observer(deadline=0.2, hooks=[records.append])
+    leave = threading.Event()
+    seen = []
+
+    @obs.send()
+    def send(hang):
+        seen.append(lane_slot(obs, "send").t)
+        if hang:
+            leave.wait(10)
+        return "sent"
+
+    def run():
+        assert send(False) == "sent" and send(True) == "sent" and send(False) == "sent"
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    deadline = time.monotonic() + 5
+    while len(records) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    leave.set()
+    thread.join()
+    assert [r.outcome for r in records] == ["ok", sc.OUTCOME_ABANDONED, "ok"]
+    assert records[1].duration_s >= 0.2 > records[2].duration_s
+    assert seen[1] is seen[0]  # reused: ended by its own thread
+    assert seen[2] is not seen[1]
+
+
 @pytest.mark.parametrize("lock_kind", ["thread", "null"])
 @pytest.mark.parametrize("enabled", [True, False])
 def test_interrupt_storm_on_the_fast_lane_leaks_nothing(lock_kind, enabled):
