@@ -2,9 +2,12 @@
 
 Why one core: `EarlySignalBuffer` decides at each call, `StepAlignedSignalBuffer` at each step boundary in a
 canonical order, but a signal, a registration, a finish, an expiry and an overflow must mean the same in both.
-Each `_*_locked` method is one atomic decision taken with `self._lock` held (entered as `with self._held:`): it
-counts its outcome in the tally and appends what must be described to `out` (span events and logs run after the
-lock is released).
+So each is decided in one place, `signal()`, `register()` or `finish()` here: one pass under `self._lock`
+(entered as `with self._held:`) that decides the common outcomes inline, counts them in the tally, and calls a
+`_*_locked` helper for each rare one (a drop, an expiry due, a bound reached), which appends what must be
+described to `out`; span events, logs and `on_recovered` run after the lock is released. `EarlySignalBuffer`
+uses these methods as they are, on the engine's hot path, so they are written for speed (docs/benchmarks.md,
+"Signal buffer"); `StepAlignedSignalBuffer.end_step()` calls them for the calls it recorded.
 
 Lock order: caller's locks -> buffer lock, never the reverse. Under its lock a buffer calls only the injected
 `clock` (which must not block or call back) and, when it flushes its tally, the metric children's `inc`.
@@ -35,6 +38,7 @@ from typing import Any
 
 from kvobs import semconv as sc
 from kvobs._runtime.forks import renewed_after_fork
+from kvobs.errors import SignalBufferFull
 from kvobs.signals._inputs import as_int
 from kvobs.signals._records import (
     KEPT_TOKENS,
@@ -82,10 +86,20 @@ class SignalBufferCore:
     A subclass supplies `_now_locked(out)`: the (decision time, wall time) of a decision that touches a
     pending signal, after expiring what is due by then. One buffer per EngineMetrics: the pending-count and
     oldest-age gauges read the buffer built last.
+
+    A recovery notes its wait without checking how many are noted: each one makes a slot live, and only
+    `finish()` ends a live slot, so `finish()` flushing past FLUSH_AT bounds them to FLUSH_AT + `max_slots`.
+
+    `decision_clock` is read on the decisions' fast paths: its reading serves as both times when it is not past
+    `_expire_at`. `EarlySignalBuffer` passes its clock; the step-aligned buffer, whose decisions take the step's
+    time, passes one that reads +inf, past every expiry, so each of its timed decisions asks `_now_locked`.
+    `on_recovered` receives the recovered signals (a ReadySignal) once the lock is released, instead of the
+    caller of `register()`; `_describe` receives what is to be described, once the lock is released.
     """
 
     def __init__(self, *, metrics: EngineMetrics | None, logger: Any | None, ttl: float, max_pending: int,
-                 max_slots: int, clock: Callable[[], float], log_level: str | int) -> None:
+                 max_slots: int, clock: Callable[[], float], decision_clock: Callable[[], float],
+                 on_recovered: Callable[[ReadySignal], None] | None, log_level: str | int) -> None:
         if as_int(max_pending, "max_pending") < 1:
             raise ValueError("max_pending must be >= 1")
         if as_int(max_slots, "max_slots") < 1:
@@ -93,6 +107,7 @@ class SignalBufferCore:
         self._lock = threading.Lock()
         self._held = held(self._lock)
         self._clock = clock
+        self._decision_clock = decision_clock
         self._ttl = ttl
         self._max_pending = max_pending
         self._max_slots = max_slots
@@ -102,10 +117,14 @@ class SignalBufferCore:
         self._pending: dict[int, tuple[int, float, float]] = {}
         self._evicted = 0  # entries evicted since the pending dict was last compacted
         # nothing pending expires before this: one compare decides a lazy sweep. Whenever nothing is pending it
-        # is at most (next signal's time + ttl), so a signal buffered without the general path is never late.
+        # is at most (next signal's time + ttl), so a signal buffered without a sweep is never late.
         self._expire_at = EXPIRY_DUE
         self._reporter = SignalReporter(self._lock, self._pending, metrics, logger, log_level, clock)
+        self._describe: Callable[[list[Decision]], None] = self._reporter.describe
         self._describe_recoveries = self._reporter.describes(sc.SIGNAL_RECOVERED)
+        self._on_recovered = on_recovered
+        # a recovery returns its tokens to the caller of register(), and nothing else is done with it
+        self._quiet_recoveries = on_recovered is None and not self._describe_recoveries
         self._tally = self._reporter.tally
         self._counts = self._tally.counts
         self._waits = self._tally.waits
@@ -164,44 +183,148 @@ class SignalBufferCore:
                 return None
             return Progress(task[TOKENS], task[LAYER])
 
-    # -- decisions, under self._lock ---------------------------------------------------------------------------
+    # -- decisions ----------------------------------------------------------------------------------------------
 
-    def _signal_locked(self, slot: int, layer: int, tokens: int, out: list[Decision]) -> bool:
-        """Whether the send of `slot` starts now."""
-        task = self._live.get(slot)
-        if task is not None:
-            if layer:
-                if tokens > task[TOKENS] or (tokens == task[TOKENS] and layer > task[LAYER]):
-                    task[TOKENS] = tokens
-                    task[LAYER] = layer
-                return False
-            if tokens > task[NEED]:
+    def signal(self, slot: int, layer: int, tokens: int) -> bool:
+        """Layer `layer` of `slot` holds `tokens` prompt tokens (cumulative). True if its send starts now
+        (a layer0 signal for a registered task), with these tokens."""
+        if not (type(slot) is int and type(layer) is int and type(tokens) is int
+                and slot >= 0 and layer >= 0 and tokens >= 0):
+            slot = as_int(slot, "slot")
+            layer = as_int(layer, "layer")
+            tokens = as_int(tokens, "tokens")
+        with self._held:
+            live = self._live
+            if slot in live:  # `in` then `[]`: cheaper than get() where the slot is not live
+                task = live[slot]
+                if layer:
+                    if tokens > task[TOKENS] or (tokens == task[TOKENS] and layer > task[LAYER]):
+                        task[TOKENS] = tokens
+                        task[LAYER] = layer
+                    return False
+                if tokens <= task[NEED]:
+                    if tokens > task[TOKENS]:
+                        task[TOKENS] = tokens
+                        task[LAYER] = 0
+                    self._counts[READY] += 1
+                    return True
                 self._counts[INVALID] += 1
-                out.append(decision(sc.SIGNAL_DROPPED_INVALID, slot, tokens, task[NEED], 0.0))
+                out = [decision(sc.SIGNAL_DROPPED_INVALID, slot, tokens, task[NEED], 0.0)]
+            elif layer:
                 return False
-            if tokens > task[TOKENS]:
-                task[TOKENS] = tokens
-                task[LAYER] = 0
-            self._counts[READY] += 1
-            return True
-        if not layer:
-            self._buffer_locked(slot, tokens, out)
+            else:
+                pending = self._pending
+                if slot in pending:  # a repeat raises the kept count
+                    entry = pending[slot]
+                    if tokens > entry[KEPT_TOKENS]:
+                        pending[slot] = (tokens, entry[SINCE], entry[WALL])
+                    return False
+                decision_clock = self._decision_clock  # a local: an attribute called as self.x() is not specialized
+                now = decision_clock()
+                wall = now
+                out = None
+                if now > self._expire_at or len(pending) >= self._max_pending:
+                    out = []
+                    now, wall = self._make_room_locked(out)
+                pending[slot] = (tokens, now, wall)  # counted by the pending dict itself, see Tally
+                if not out:
+                    return False
+        self._describe(out)
         return False
 
-    def _buffer_locked(self, slot: int, tokens: int, out: list[Decision]) -> None:
-        """Keep an early layer0 signal of an unregistered slot; a repeat raises the kept count."""
-        pending = self._pending
-        entry = pending.get(slot)
-        if entry is not None:
-            if tokens > entry[KEPT_TOKENS]:
-                pending[slot] = (tokens, entry[SINCE], entry[WALL])
-            return
+    def register(self, slot: int, need_tokens: int) -> int | None:
+        """Register the transfer task for `slot`; recover its pending signal exactly once.
+
+        The recovered signal's tokens are returned (start the send with them; test `is not None`, a signal may
+        carry 0 tokens), or the signal goes to `on_recovered` (then None is returned). An exception from
+        `on_recovered` propagates: the registration already stands, and a lost send must not be silent.
+        Registering a live slot raises ValueError (replacing it would orphan the first task's send); registering
+        beyond `max_slots` raises SignalBufferFull. Neither changes anything.
+        """
+        if not (type(slot) is int and type(need_tokens) is int and slot >= 0 and need_tokens >= 0):
+            slot = as_int(slot, "slot")
+            need_tokens = as_int(need_tokens, "need_tokens")
+        out = None
+        recovered = None
+        refused = False
+        with self._held:
+            live = self._live
+            pending = self._pending
+            entry = pending.get(slot)  # one lookup where a signal waits (`in` then `[]` is two)
+            if entry is None and slot in live:  # a slot leaves `pending` before it enters `live`, never after
+                raise ValueError(f"slot {slot} is already registered; finish() it before registering it again")
+            if len(live) >= self._max_slots:
+                out = self._refuse_locked(slot, need_tokens)
+                refused = True
+            elif entry is None:
+                live[slot] = [need_tokens, -1, -1]
+                return None
+            else:
+                decision_clock = self._decision_clock  # a local: an attribute called as self.x() is not specialized
+                now = decision_clock()
+                wall = now
+                if now > self._expire_at:  # an expired signal is never recovered: expire what is due first
+                    out = []
+                    now, wall = self._now_locked(out)
+                    entry = pending.get(slot)
+                if entry is None or entry[KEPT_TOKENS] > need_tokens:  # expired, or not this task's signal
+                    out = self._register_without_signal_locked(slot, need_tokens, wall, out)
+                else:
+                    tokens = entry[KEPT_TOKENS]
+                    waited = wall - entry[WALL]
+                    del pending[slot]
+                    live[slot] = [need_tokens, tokens, 0]
+                    self._waits.append(waited)  # counts the recovery (see Tally); finish() bounds the waits
+                    if out is None and self._quiet_recoveries:
+                        return tokens
+                    recovered = ready_signal(slot, tokens, waited)
+                    if self._describe_recoveries:
+                        out = out or []
+                        out.append(decision(sc.SIGNAL_RECOVERED, slot, tokens, need_tokens, waited))
+        if out:
+            self._describe(out)
+        if refused:
+            raise SignalBufferFull("max_slots", self._max_slots, "finish() every slot whose task ended")
+        if recovered is None:
+            return None
+        on_recovered = self._on_recovered
+        if on_recovered is None:
+            return recovered.tokens
+        on_recovered(recovered)
+        return None
+
+    def finish(self, slot: int) -> None:
+        """The task of `slot` finished or failed: unregister it and drop any signal still pending for it."""
+        if not (type(slot) is int and slot >= 0):
+            slot = as_int(slot, "slot")
+        with self._held:
+            if len(self._waits) >= FLUSH_AT:  # bounds the waits register() notes: see the class docstring
+                self._tally.flush_locked()
+            task = self._live.pop(slot, None)
+            if slot not in self._pending:
+                return
+            out: list[Decision] = []
+            _, wall = self._now_locked(out)  # expires what is due first: an expired signal is not dropped twice
+            entry = self._pending.pop(slot, None)
+            if entry is not None:
+                self._tally.dropped(FINISHED)
+                out.append(decision(sc.SIGNAL_DROPPED_FINISHED, slot, entry[KEPT_TOKENS],
+                                    None if task is None else task[NEED], wall - entry[WALL]))
+        if out:
+            self._describe(out)
+
+    # -- the rare outcomes, under self._lock ----------------------------------------------------------------------
+
+    def _make_room_locked(self, out: list[Decision]) -> tuple[float, float]:
+        """The (decision time, wall time) at which a new signal is buffered, once what is due has expired and,
+        if `max_pending` signals still wait, the oldest has made room."""
         now, wall = self._now_locked(out)
+        pending = self._pending
         if len(pending) >= self._max_pending:
             self._evict_oldest_locked(wall, out)
         if not pending:
             self._expire_at = now + self._ttl
-        pending[slot] = (tokens, now, wall)  # counted by the pending dict itself, see Tally
+        return now, wall
 
     def _evict_oldest_locked(self, wall: float, out: list[Decision]) -> None:
         """Overflow: the oldest pending signal makes room.
@@ -222,48 +345,22 @@ class SignalBufferCore:
             pending.clear()
             pending.update(kept)
 
-    def _refuse_locked(self, slot: int, need: int, out: list[Decision]) -> None:
+    def _refuse_locked(self, slot: int, need: int) -> list[Decision]:
         """A registration while `max_slots` tasks are live: counted, described, nothing changed."""
         self._counts[REFUSED] += 1
-        out.append(decision(sc.SIGNAL_REFUSED, slot, None, need, 0.0))
+        return [decision(sc.SIGNAL_REFUSED, slot, None, need, 0.0)]
 
-    def _register_locked(self, slot: int, need: int, out: list[Decision]) -> ReadySignal | None:
-        """Register `slot` (not live, room checked) and recover its pending signal, if it can belong to it."""
-        if slot not in self._pending:
-            self._live[slot] = [need, -1, -1]
-            return None
-        _, wall = self._now_locked(out)  # expires what is due first: an expired signal is never recovered
+    def _register_without_signal_locked(self, slot: int, need: int, wall: float,
+                                        out: list[Decision] | None) -> list[Decision]:
+        """Register `slot` with no signal: its pending one just expired, or claims more tokens than the task
+        needs (dropped as invalid)."""
         entry = self._pending.pop(slot, None)
-        if entry is None or entry[KEPT_TOKENS] > need:
-            self._live[slot] = [need, -1, -1]
-            if entry is not None:
-                self._tally.dropped(INVALID)
-                out.append(decision(sc.SIGNAL_DROPPED_INVALID, slot, entry[KEPT_TOKENS], need, wall - entry[WALL]))
-            return None
-        tokens = entry[KEPT_TOKENS]
-        waited = wall - entry[WALL]
-        self._live[slot] = [need, tokens, 0]
-        self._note_recovery_locked(waited)
-        if self._describe_recoveries:
-            out.append(decision(sc.SIGNAL_RECOVERED, slot, tokens, need, waited))
-        return ready_signal(slot, tokens, waited)
-
-    def _note_recovery_locked(self, waited: float) -> None:
-        """Count a recovery by noting its wait (see Tally); a full list of waits goes to the metrics now."""
-        waits = self._waits
-        waits.append(waited)
-        if len(waits) >= FLUSH_AT:
-            self._tally.flush_locked()
-
-    def _finish_locked(self, slot: int, out: list[Decision]) -> None:
-        task = self._live.pop(slot, None)
-        if slot in self._pending:
-            _, wall = self._now_locked(out)
-            entry = self._pending.pop(slot, None)
-            if entry is not None:
-                self._tally.dropped(FINISHED)
-                out.append(decision(sc.SIGNAL_DROPPED_FINISHED, slot, entry[KEPT_TOKENS],
-                                    None if task is None else task[NEED], wall - entry[WALL]))
+        self._live[slot] = [need, -1, -1]
+        out = out or []
+        if entry is not None:
+            self._tally.dropped(INVALID)
+            out.append(decision(sc.SIGNAL_DROPPED_INVALID, slot, entry[KEPT_TOKENS], need, wall - entry[WALL]))
+        return out
 
     def _expire_locked(self, now: float, wall: float, out: list[Decision]) -> None:
         """Drop the pending signals older than the TTL: the oldest ones, found in one walk from the front."""
@@ -282,4 +379,4 @@ class SignalBufferCore:
         self._tally.dropped(EXPIRED, len(expired))
 
 
-_renewed_after_fork = renewed_after_fork(SignalBufferCore._after_fork_in_child)
+_renewed_after_fork = renewed_after_fork(lambda buffer: buffer._after_fork_in_child())  # a subclass may renew more
