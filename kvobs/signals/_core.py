@@ -68,6 +68,7 @@ from kvobs.telemetry._metrics.engine_metrics import EngineMetrics
 
 DEFAULT_MAX_SLOTS = 16384
 EXPIRY_DUE = -math.inf  # `_expire_at` while nothing is pending: the next signal buffered takes the general path
+_REFUSE = "refuse"  # register() raises SignalBufferFull once its lock is released
 
 
 def held(lock: threading.Lock) -> AbstractContextManager[bool]:
@@ -90,9 +91,8 @@ class SignalBufferCore:
     A recovery notes its wait without checking how many are noted: each one makes a slot live, and only
     `finish()` ends a live slot, so `finish()` flushing past FLUSH_AT bounds them to FLUSH_AT + `max_slots`.
 
-    `decision_clock` is read on the decisions' fast paths: its reading serves as both times when it is not past
-    `_expire_at`. `EarlySignalBuffer` passes its clock; the step-aligned buffer, whose decisions take the step's
-    time, passes one that reads +inf, past every expiry, so each of its timed decisions asks `_now_locked`.
+    `decision_clock` reads the decision time (in the TTL's unit) on the decisions' fast paths: `EarlySignalBuffer`
+    passes its clock, whose reading is the wall time too; the step-aligned buffer passes its step.
     `on_recovered` receives the recovered signals (a ReadySignal) once the lock is released, instead of the
     caller of `register()`; `_describe` receives what is to be described, once the lock is released.
     """
@@ -123,8 +123,13 @@ class SignalBufferCore:
         self._describe: Callable[[list[Decision]], None] = self._reporter.describe
         self._describe_recoveries = self._reporter.describes(sc.SIGNAL_RECOVERED)
         self._on_recovered = on_recovered
-        # a recovery returns its tokens to the caller of register(), and nothing else is done with it
-        self._quiet_recoveries = on_recovered is None and not self._describe_recoveries
+        # Counts below which a decision takes its fast path, which reads the decision time as the wall time too
+        # and hands nothing over: none for a buffer whose times differ (the step-aligned one), and none for a
+        # recovery when one must be described or handed to on_recovered.
+        timed_by_clock = decision_clock is clock
+        self._buffer_room = max_pending if timed_by_clock else 0
+        self._quiet_room = (max_slots if timed_by_clock and on_recovered is None and not self._describe_recoveries
+                            else 0)
         self._tally = self._reporter.tally
         self._counts = self._tally.counts
         self._waits = self._tally.waits
@@ -223,7 +228,7 @@ class SignalBufferCore:
                 now = decision_clock()
                 wall = now
                 out = None
-                if now > self._expire_at or len(pending) >= self._max_pending:
+                if now > self._expire_at or len(pending) >= self._buffer_room:  # see __init__
                     out = []
                     now, wall = self._make_room_locked(out)
                 pending[slot] = (tokens, now, wall)  # counted by the pending dict itself, see Tally
@@ -244,53 +249,39 @@ class SignalBufferCore:
         if not (type(slot) is int and type(need_tokens) is int and slot >= 0 and need_tokens >= 0):
             slot = as_int(slot, "slot")
             need_tokens = as_int(need_tokens, "need_tokens")
-        out = None
-        recovered = None
-        refused = False
         with self._held:
             live = self._live
             pending = self._pending
             entry = pending.get(slot)  # one lookup where a signal waits (`in` then `[]` is two)
-            if entry is None and slot in live:  # a slot leaves `pending` before it enters `live`, never after
-                raise ValueError(f"slot {slot} is already registered; finish() it before registering it again")
-            if len(live) >= self._max_slots:
+            if entry is None:
+                if slot in live:
+                    raise ValueError(f"slot {slot} is already registered; finish() it before registering it again")
+                if len(live) < self._max_slots:
+                    live[slot] = [need_tokens, -1, -1]
+                    return None
                 out = self._refuse_locked(slot, need_tokens)
-                refused = True
-            elif entry is None:
-                live[slot] = [need_tokens, -1, -1]
-                return None
-            else:
+                then: ReadySignal | str | None = _REFUSE
+            else:  # so not live: a slot leaves `pending` before it enters `live`, never after
                 decision_clock = self._decision_clock  # a local: an attribute called as self.x() is not specialized
                 now = decision_clock()
-                wall = now
-                if now > self._expire_at:  # an expired signal is never recovered: expire what is due first
-                    out = []
-                    now, wall = self._now_locked(out)
-                    entry = pending.get(slot)
-                if entry is None or entry[KEPT_TOKENS] > need_tokens:  # expired, or not this task's signal
-                    out = self._register_without_signal_locked(slot, need_tokens, wall, out)
-                else:
-                    tokens = entry[KEPT_TOKENS]
-                    waited = wall - entry[WALL]
+                tokens = entry[KEPT_TOKENS]
+                # nothing due to expire, a signal that can be this task's, room, and the caller takes it (__init__)
+                if now <= self._expire_at and tokens <= need_tokens and len(live) < self._quiet_room:
                     del pending[slot]
                     live[slot] = [need_tokens, tokens, 0]
-                    self._waits.append(waited)  # counts the recovery (see Tally); finish() bounds the waits
-                    if out is None and self._quiet_recoveries:
-                        return tokens
-                    recovered = ready_signal(slot, tokens, waited)
-                    if self._describe_recoveries:
-                        out = out or []
-                        out.append(decision(sc.SIGNAL_RECOVERED, slot, tokens, need_tokens, waited))
+                    self._waits.append(now - entry[WALL])  # counts the recovery (see Tally); finish() bounds them
+                    return tokens
+                out, then = self._register_waiting_locked(slot, need_tokens)
         if out:
             self._describe(out)
-        if refused:
-            raise SignalBufferFull("max_slots", self._max_slots, "finish() every slot whose task ended")
-        if recovered is None:
+        if then is None:
             return None
+        if then is _REFUSE:
+            raise SignalBufferFull("max_slots", self._max_slots, "finish() every slot whose task ended")
         on_recovered = self._on_recovered
         if on_recovered is None:
-            return recovered.tokens
-        on_recovered(recovered)
+            return then.tokens
+        on_recovered(then)
         return None
 
     def finish(self, slot: int) -> None:
@@ -350,17 +341,28 @@ class SignalBufferCore:
         self._counts[REFUSED] += 1
         return [decision(sc.SIGNAL_REFUSED, slot, None, need, 0.0)]
 
-    def _register_without_signal_locked(self, slot: int, need: int, wall: float,
-                                        out: list[Decision] | None) -> list[Decision]:
-        """Register `slot` with no signal: its pending one just expired, or claims more tokens than the task
-        needs (dropped as invalid)."""
+    def _register_waiting_locked(self, slot: int, need: int) -> tuple[list[Decision], ReadySignal | str | None]:
+        """register() of a slot whose signal waits, where the quiet recovery may not apply: refused when
+        `max_slots` tasks are live; else what is due expires first (this signal, perhaps), then the signal is
+        dropped if it claims more tokens than the task needs, or recovered, with its wall-clock wait."""
+        if len(self._live) >= self._max_slots:
+            return self._refuse_locked(slot, need), _REFUSE
+        out: list[Decision] = []
+        _, wall = self._now_locked(out)
         entry = self._pending.pop(slot, None)
-        self._live[slot] = [need, -1, -1]
-        out = out or []
-        if entry is not None:
-            self._tally.dropped(INVALID)
-            out.append(decision(sc.SIGNAL_DROPPED_INVALID, slot, entry[KEPT_TOKENS], need, wall - entry[WALL]))
-        return out
+        if entry is None or entry[KEPT_TOKENS] > need:
+            self._live[slot] = [need, -1, -1]
+            if entry is not None:
+                self._tally.dropped(INVALID)
+                out.append(decision(sc.SIGNAL_DROPPED_INVALID, slot, entry[KEPT_TOKENS], need, wall - entry[WALL]))
+            return out, None
+        tokens = entry[KEPT_TOKENS]
+        waited = wall - entry[WALL]
+        self._live[slot] = [need, tokens, 0]
+        self._waits.append(waited)  # counts the recovery (see Tally); finish() bounds the waits
+        if self._describe_recoveries:
+            out.append(decision(sc.SIGNAL_RECOVERED, slot, tokens, need, waited))
+        return out, ready_signal(slot, tokens, waited)
 
     def _expire_locked(self, now: float, wall: float, out: list[Decision]) -> None:
         """Drop the pending signals older than the TTL: the oldest ones, found in one walk from the front."""

@@ -26,7 +26,6 @@ step, `register()`/`finish()` raise SignalBufferFull.
 from __future__ import annotations
 
 import heapq
-import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -41,12 +40,6 @@ from kvobs.signals._reporting import OVERFLOW, REFUSED
 from kvobs.telemetry._metrics.engine_metrics import EngineMetrics
 
 _FINISH = None  # a staged finish() in a slot's list of staged calls; a registration stages its need_tokens
-
-
-def _time_of_the_step() -> float:
-    """The decision clock (see SignalBufferCore): +inf, so every timed decision takes the step's time from
-    `_now_locked`."""
-    return math.inf
 
 
 class _StagedSignals:
@@ -79,7 +72,7 @@ class StepAlignedSignalBuffer(SignalBufferCore):
         self._step_recoveries: list[ReadySignal] = []  # of the step end_step() is deciding
         self._step_descriptions: list[Decision] = []
         super().__init__(metrics=metrics, logger=logger, ttl=ttl_steps, max_pending=max_pending,
-                         max_slots=max_slots, clock=clock, decision_clock=_time_of_the_step,
+                         max_slots=max_slots, clock=clock, decision_clock=self._step_now,
                          on_recovered=self._step_recoveries.append, log_level=log_level)
         self._describe = self._step_descriptions.extend
         # held by every recording call and by end_step() throughout: the core's decisions, which end_step() makes
@@ -147,7 +140,7 @@ class StepAlignedSignalBuffer(SignalBufferCore):
             self._staged_heap = []
             self._staged_call_count = 0
             with self._held:
-                self._expire_locked(self._step, wall, described)
+                self._now_locked(described)  # expires what is due by this step
             for slot in sorted(calls):
                 for need in calls[slot]:
                     if need is _FINISH:
@@ -173,8 +166,13 @@ class StepAlignedSignalBuffer(SignalBufferCore):
             self._reporter.describe(out)
         return batch
 
+    def _step_now(self) -> int:
+        return self._step
+
     def _now_locked(self, out: list[Decision]) -> tuple[float, float]:
-        return self._step, self._wall  # what was due is expired at the start of end_step()
+        if self._step > self._expire_at:  # at the start of end_step(), or after an interrupted sweep
+            self._expire_locked(self._step, self._wall, out)
+        return self._step, self._wall
 
     def _after_fork_in_child(self) -> None:
         super()._after_fork_in_child()
