@@ -213,10 +213,10 @@ class SignalBufferCore:
                         task[LAYER] = 0
                     self._counts[READY] += 1
                     return True
-                self._counts[INVALID] += 1
+                self._counts[INVALID] += 1  # more tokens than the task needs: not its signal
                 out = [decision(sc.SIGNAL_DROPPED_INVALID, slot, tokens, task[NEED], 0.0)]
             elif layer:
-                return False
+                return False  # progress of a slot with no task: nothing to advance
             else:
                 pending = self._pending
                 if slot in pending:  # a repeat raises the kept count
@@ -226,12 +226,13 @@ class SignalBufferCore:
                     return False
                 decision_clock = self._decision_clock  # a local: an attribute called as self.x() is not specialized
                 now = decision_clock()
-                wall = now
-                out = None
-                if now > self._expire_at or len(pending) >= self._buffer_room:  # see __init__
-                    out = []
-                    now, wall = self._make_room_locked(out)
-                pending[slot] = (tokens, now, wall)  # counted by the pending dict itself, see Tally
+                # nothing due to expire, and room (see __init__): kept now, counted by the pending dict (see Tally)
+                if now <= self._expire_at and len(pending) < self._buffer_room:
+                    pending[slot] = (tokens, now, now)
+                    return False
+                out = []
+                now, wall = self._make_room_locked(out)
+                pending[slot] = (tokens, now, wall)
                 if not out:
                     return False
         self._describe(out)
