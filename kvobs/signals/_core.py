@@ -266,7 +266,8 @@ class SignalBufferCore:
                 decision_clock = self._decision_clock  # a local: an attribute called as self.x() is not specialized
                 now = decision_clock()
                 tokens = entry[KEPT_TOKENS]
-                # nothing due to expire, a signal that can be this task's, room, and the caller takes it (__init__)
+                # the quiet recovery: nothing due to expire, a signal that can be this task's, room, and the caller
+                # takes it (see __init__); one compound test, cheaper than the three _register_waiting_locked makes
                 if now <= self._expire_at and tokens <= need_tokens and len(live) < self._quiet_room:
                     del pending[slot]
                     live[slot] = [need_tokens, tokens, 0]
