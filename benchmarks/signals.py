@@ -1,8 +1,8 @@
 """Signal buffers: each operation's cost as a ratio to a bare locked dict operation measured in the same run.
 
 Target: every `EarlySignalBuffer` operation (a `signal_batch()` per slot), single-threaded with metrics on, <= 2x
-the baseline "dict set or pop under threading.Lock"; memory flat and logs quiet under floods (a million overflowing signals, registrations
-never finished, a step-aligned buffer whose end_step() never comes).
+the baseline "dict set or pop under threading.Lock"; memory flat and logs quiet under floods (a million
+overflowing signals, registrations never finished, a step-aligned buffer whose end_step() never comes).
 
 Why per-round ratios: the machine is shared and noisy. Every round times the baseline and then each operation
 over all slots, back to back, and takes the ratio within the round, so a slow moment slows both sides of it;
@@ -114,7 +114,8 @@ def phases(buf: EarlySignalBuffer, slots: int) -> dict[str, int]:
     for s in r:
         finish(s)
     return {"signal (buffered)": t1 - t0, "register (recovers)": t2 - t1, "signal (ready)": t3 - t2,
-            "signal (layer 1: progress)": t4 - t3, f"signal_batch (layer 2: progress, {BATCH} slots), per slot": t5 - t4,
+            "signal (layer 1: progress)": t4 - t3,
+            f"signal_batch (layer 2: progress, {BATCH} slots), per slot": t5 - t4,
             "finish (registered)": t6 - t5, "register (nothing pending)": t7 - t6}
 
 
