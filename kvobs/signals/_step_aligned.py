@@ -3,8 +3,9 @@
 Why: each TP rank runs its own buffer, and the ranks' send barriers deadlock unless every rank releases the
 same batch at the same step. A rank's threads may see a signal and a registration in either order; decided at
 each call (as `EarlySignalBuffer` does), one rank would recover a signal that another sees as ready. So here
-`signal()`, `signal_batch()`, `register()` and `finish()` only check and record, and `end_step()` decides, with
-the same decisions as `EarlySignalBuffer`, in a canonical order that ignores arrival order across threads:
+`signal()`, `signal_batch()`, `register()` and `finish()` only check and record, and `end_step()` decides, through
+the very methods `EarlySignalBuffer` decides each call with (`SignalBufferCore.signal`, `register`, `finish`), in
+a canonical order that ignores arrival order across threads:
 expire by step age; then slot by slot (ascending) that slot's registrations and finishes in arrival order; then
 slot by slot the step's signals (repeats merged: the largest token count). It returns the step's batch:
 recovered signals, then ready ones, each group by slot.
@@ -21,6 +22,10 @@ rank; the rest are `overflow` (that count alone may differ by rank, as it depend
 registration applied while `max_slots` tasks are live is `refused` at `end_step()`, identically on every rank.
 Calls recorded without `end_step()` are bounded too: beyond 2 * `max_slots` registrations and finishes in one
 step, `register()`/`finish()` raise SignalBufferFull.
+
+Locks: recording and `end_step()` hold the step lock, and each decision `end_step()` makes takes the core's lock
+within it (step lock -> core lock, never the reverse); the decisions' descriptions and recovered signals are
+collected and released with the step's batch, once the step lock is released.
 """
 
 from __future__ import annotations
