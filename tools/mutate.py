@@ -195,7 +195,7 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
     **{("kvobs/signals/_core.py", function, line, mutation):
        "a narrower fast path: the rare path finds nothing due and room, and takes the same decision"
        for function, line, mutations in (
-           ("SignalBufferCore.signal", "if now <= self._expire_at and len(pending) < self._buffer_room:",
+           ("SignalBufferCore._signal_locked", "if now <= self._expire_at and len(pending) < self._buffer_room:",
             ("'<=' -> '<'", "condition -> False")),
            ("SignalBufferCore.register",
             "if now <= self._expire_at and tokens <= need_tokens and len(live) < self._quiet_room:",

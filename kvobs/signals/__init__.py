@@ -3,8 +3,8 @@
 `EarlySignalBuffer` decides at each call (one engine process, any number of threads);
 `StepAlignedSignalBuffer` decides once per model-runner step in a canonical order, so tensor-parallel ranks
 release identical batches. Each decision is written once, in `kvobs.signals._core`: the early buffer's
-`signal()`, `register()` and `finish()` are those decisions, and the step-aligned buffer applies the calls it
-recorded through them.
+`register()` and `finish()` are those decisions, its `signal()` and `signal_batch()` make the core's one signal
+decision (`_signal_locked`), and the step-aligned buffer applies the calls it recorded through the same ones.
 """
 
 from kvobs.errors import SignalBufferFull

@@ -2,12 +2,14 @@
 
 Why one core: `EarlySignalBuffer` decides at each call, `StepAlignedSignalBuffer` at each step boundary in a
 canonical order, but a signal, a registration, a finish, an expiry and an overflow must mean the same in both.
-So each is decided in one place, `signal()`, `register()` or `finish()` here: one pass under `self._lock`
-(entered as `with self._held:`) that decides the common outcomes inline, counts them in the tally, and calls a
-`_*_locked` helper for each rare one (a drop, an expiry due, a bound reached), which appends what must be
-described to `out`; span events, logs and `on_recovered` run after the lock is released. `EarlySignalBuffer`
-uses these methods as they are, on the engine's hot path, so they are written for speed (docs/benchmarks.md,
-"Signal buffer"); `StepAlignedSignalBuffer.end_step()` calls them for the calls it recorded.
+So each is decided in one place here: a registration in `register()`, a finish in `finish()`, each one pass under
+`self._lock` (entered as `with self._held:`), and a signal in `_signal_locked()`, which its callers run under the
+lock: `signal()` for one signal, `signal_batch()` and `end_step()` once for all their signals, as a model-runner
+step signals every slot of a layer at once. Each decides the common outcomes inline, counts them in the tally,
+and calls a `_*_locked` helper for each rare one (a drop, an expiry due, a bound reached), which collects what
+must be described; span events, logs and `on_recovered` run after the lock is released. `EarlySignalBuffer`
+uses these as they are, on the engine's hot path, so they are written for speed (docs/benchmarks.md,
+"Signal buffer"); `StepAlignedSignalBuffer.end_step()` applies the calls it recorded through them.
 
 Lock order: caller's locks -> buffer lock, never the reverse. Under its lock a buffer calls only the injected
 `clock` (which must not block or call back) and, when it flushes its tally, the metric children's `inc`.
@@ -199,44 +201,50 @@ class SignalBufferCore:
             layer = as_int(layer, "layer")
             tokens = as_int(tokens, "tokens")
         with self._held:
-            live = self._live
-            if slot in live:  # `in` then `[]`: cheaper than get() where the slot is not live
-                task = live[slot]
-                if layer:
-                    if tokens > task[TOKENS] or (tokens == task[TOKENS] and layer > task[LAYER]):
-                        task[TOKENS] = tokens
-                        task[LAYER] = layer
-                    return False
-                if tokens <= task[NEED]:
-                    if tokens > task[TOKENS]:
-                        task[TOKENS] = tokens
-                        task[LAYER] = 0
-                    self._counts[READY] += 1
-                    return True
-                self._counts[INVALID] += 1  # more tokens than the task needs: not its signal
-                out = [decision(sc.SIGNAL_DROPPED_INVALID, slot, tokens, task[NEED], 0.0)]
-            elif layer:
-                return False  # progress of a slot with no task: nothing to advance
-            else:
-                pending = self._pending
-                if slot in pending:  # a repeat raises the kept count
-                    entry = pending[slot]
-                    if tokens > entry[KEPT_TOKENS]:
-                        pending[slot] = (tokens, entry[SINCE], entry[WALL])
-                    return False
-                decision_clock = self._decision_clock  # a local: an attribute called as self.x() is not specialized
-                now = decision_clock()
-                # nothing due to expire, and room (see __init__): kept now, counted by the pending dict (see Tally)
-                if now <= self._expire_at and len(pending) < self._buffer_room:
-                    pending[slot] = (tokens, now, now)
-                    return False
-                out = []
-                now, wall = self._make_room_locked(out)
-                pending[slot] = (tokens, now, wall)
-                if not out:
-                    return False
-        self._describe(out)
+            decided = self._signal_locked(slot, layer, tokens)
+        if decided is True:
+            return True
+        if decided:
+            self._describe(decided)
         return False
+
+    def _signal_locked(self, slot: int, layer: int, tokens: int) -> bool | list[Decision]:
+        """signal()'s decision, for a caller that holds the lock (a batch holds it once for all its signals):
+        whether the send starts now, or (it does not) the decisions to describe once the lock is released."""
+        live = self._live
+        if slot in live:  # `in` then `[]`: cheaper than get() where the slot is not live
+            task = live[slot]
+            if layer:
+                if tokens > task[TOKENS] or (tokens == task[TOKENS] and layer > task[LAYER]):
+                    task[TOKENS] = tokens
+                    task[LAYER] = layer
+                return False
+            if tokens <= task[NEED]:
+                if tokens > task[TOKENS]:
+                    task[TOKENS] = tokens
+                    task[LAYER] = 0
+                self._counts[READY] += 1
+                return True
+            self._counts[INVALID] += 1  # more tokens than the task needs: not its signal
+            return [decision(sc.SIGNAL_DROPPED_INVALID, slot, tokens, task[NEED], 0.0)]
+        if layer:
+            return False  # progress of a slot with no task: nothing to advance
+        pending = self._pending
+        if slot in pending:  # a repeat raises the kept count
+            entry = pending[slot]
+            if tokens > entry[KEPT_TOKENS]:
+                pending[slot] = (tokens, entry[SINCE], entry[WALL])
+            return False
+        decision_clock = self._decision_clock  # a local: an attribute called as self.x() is not specialized
+        now = decision_clock()
+        # nothing due to expire, and room (see __init__): kept now, counted by the pending dict (see Tally)
+        if now <= self._expire_at and len(pending) < self._buffer_room:
+            pending[slot] = (tokens, now, now)
+            return False
+        out: list[Decision] = []
+        now, wall = self._make_room_locked(out)
+        pending[slot] = (tokens, now, wall)
+        return out
 
     def register(self, slot: int, need_tokens: int) -> int | None:
         """Register the transfer task for `slot`; recover its pending signal exactly once.

@@ -32,9 +32,9 @@ class EarlySignalBuffer(SignalBufferCore):
     with its slot and wait) instead of the caller of `register()`. `log_level`: drops log at warning,
     recoveries at debug, when this level allows.
 
-    `signal()`, `register()` and `finish()` are the shared core's decisions themselves (kvobs.signals._core):
-    each takes the lock with `with`, never acquire() then try (an asynchronous exception such as Ctrl-C raised
-    as acquire() returns would leave it held).
+    `signal()`, `register()` and `finish()` are the shared core's (kvobs.signals._core), and `signal_batch()`
+    makes the core's signal decision for each slot under one lock: each takes the lock with `with`, never
+    acquire() then try (an asynchronous exception such as Ctrl-C raised as acquire() returns would leave it held).
     """
 
     def __init__(
@@ -60,12 +60,24 @@ class EarlySignalBuffer(SignalBufferCore):
         signals whose send starts now, in slot order given.
 
         Every value is validated before any is decided, so a bad batch changes nothing; then each is decided
-        as `signal()` decides it.
+        as `signal()` decides it, all under one lock.
         """
         layer, slot_list, token_list = step_batch(layer, slots, tokens, count)
-        signal = self.signal
-        return [ready_signal(slot, slot_tokens, 0.0) for slot, slot_tokens in zip(slot_list, token_list)
-                if signal(slot, layer, slot_tokens)]
+        if not slot_list:
+            return []
+        out: list[Decision] = []
+        ready: list[ReadySignal] = []
+        decide = self._signal_locked
+        with self._held:
+            for slot, slot_tokens in zip(slot_list, token_list):
+                decided = decide(slot, layer, slot_tokens)
+                if decided is True:
+                    ready.append(ready_signal(slot, slot_tokens, 0.0))
+                elif decided:
+                    out += decided
+        if out:
+            self._describe(out)
+        return ready
 
     def _now_locked(self, out: list[Decision]) -> tuple[float, float]:
         now = self._clock()

@@ -4,8 +4,8 @@ Why: each TP rank runs its own buffer, and the ranks' send barriers deadlock unl
 same batch at the same step. A rank's threads may see a signal and a registration in either order; decided at
 each call (as `EarlySignalBuffer` does), one rank would recover a signal that another sees as ready. So here
 `signal()`, `signal_batch()`, `register()` and `finish()` only check and record, and `end_step()` decides, through
-the very methods `EarlySignalBuffer` decides each call with (`SignalBufferCore.signal`, `register`, `finish`), in
-a canonical order that ignores arrival order across threads:
+the very decisions `EarlySignalBuffer` makes at each call (`SignalBufferCore._signal_locked`, `register`, `finish`),
+in a canonical order that ignores arrival order across threads:
 expire by step age; then slot by slot (ascending) that slot's registrations and finishes in arrival order; then
 slot by slot the step's signals (repeats merged: the largest token count). It returns the step's batch:
 recovered signals, then ready ones, each group by slot.
@@ -23,9 +23,10 @@ registration applied while `max_slots` tasks are live is `refused` at `end_step(
 Calls recorded without `end_step()` are bounded too: beyond 2 * `max_slots` registrations and finishes in one
 step, `register()`/`finish()` raise SignalBufferFull.
 
-Locks: recording and `end_step()` hold the step lock, and each decision `end_step()` makes takes the core's lock
-within it (step lock -> core lock, never the reverse); the decisions' descriptions and recovered signals are
-collected and released with the step's batch, once the step lock is released.
+Locks: recording and `end_step()` hold the step lock, and `end_step()` takes the core's lock within it for each
+registration and finish and once for all the step's signals (step lock -> core lock, never the reverse); the
+decisions' descriptions and recovered signals are collected and released with the step's batch, once the step
+lock is released.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ class StepAlignedSignalBuffer(SignalBufferCore):
                          on_recovered=self._step_recoveries.append, log_level=log_level)
         self._describe = self._step_descriptions.extend
         # held by every recording call and by end_step() throughout: the core's decisions, which end_step() makes
-        # through the methods EarlySignalBuffer uses as they are, each take the core's lock within it
+        # as EarlySignalBuffer makes them, take the core's lock within it
         self._step_lock = threading.Lock()
         self._step_held = held(self._step_lock)
         self._step = 0
@@ -129,7 +130,6 @@ class StepAlignedSignalBuffer(SignalBufferCore):
         ready: list[ReadySignal] = []
         recovered = self._step_recoveries
         described = self._step_descriptions
-        signal = super().signal
         register = super().register
         finish = super().finish
         with self._step_held:
@@ -155,14 +155,19 @@ class StepAlignedSignalBuffer(SignalBufferCore):
                             register(slot, need)  # a recovered signal goes to `recovered`
                         except SignalBufferFull:
                             pass  # refused: counted and described as every refusal is
-            for slot in sorted(signals):
-                staged = signals[slot]
-                if staged.furthest[1] > 0:
-                    tokens, layer = staged.furthest
-                    signal(slot, layer, tokens)
-                tokens = staged.layer0_tokens
-                if tokens >= 0 and signal(slot, 0, tokens):
-                    ready.append(ready_signal(slot, tokens, 0.0))
+            with self._held:
+                for slot in sorted(signals):
+                    staged = signals[slot]
+                    if staged.furthest[1] > 0:
+                        tokens, layer = staged.furthest
+                        self._signal_locked(slot, layer, tokens)  # progress only: nothing to describe
+                    tokens = staged.layer0_tokens
+                    if tokens >= 0:
+                        decided = self._signal_locked(slot, 0, tokens)
+                        if decided is True:
+                            ready.append(ready_signal(slot, tokens, 0.0))
+                        elif decided:
+                            described += decided
             batch = recovered + ready
             out = described[:]
             recovered.clear()

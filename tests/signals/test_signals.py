@@ -523,6 +523,26 @@ def test_the_early_buffer_decides_with_the_shared_core_itself():
         assert getattr(EarlySignalBuffer, name) is getattr(SignalBufferCore, name), name
 
 
+def test_signal_batch_decides_each_slot_as_signal_does(monkeypatch):
+    """Each decision is written once (issue 23): signal() and signal_batch() make the one lock-free decision of
+    the core, the batch once per slot under one lock."""
+    decided: list[tuple[int, int, int]] = []
+    decide = SignalBufferCore._signal_locked
+
+    def spy(self, slot, layer, tokens):
+        assert self._lock.locked()
+        decided.append((slot, layer, tokens))
+        return decide(self, slot, layer, tokens)
+
+    monkeypatch.setattr(SignalBufferCore, "_signal_locked", spy)
+    buf = EarlySignalBuffer()
+    assert buf.register(4, 10) is None
+    assert buf.signal(7, 0, 3) is False
+    assert buf.signal_batch(0, [4, 7, 9], [6, 5, 1]) == [ReadySignal(4, 0, 6, 0.0)]
+    assert decided == [(7, 0, 3), (4, 0, 6), (7, 0, 5), (9, 0, 1)]
+    assert buf.pending_count == 2 and buf.register(7, 5) == 5
+
+
 def test_on_recovered_gets_the_signal_once_outside_the_lock():
     got: list[ReadySignal] = []
 

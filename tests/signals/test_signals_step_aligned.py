@@ -171,10 +171,11 @@ def test_ranks_on_real_threads_agree_and_count_the_same():
 
 
 def test_end_step_decides_the_recorded_calls_through_the_early_buffers_own_decisions(monkeypatch):
-    """Each decision is written once (issue 23): end_step() applies what was recorded through the very methods
-    an EarlySignalBuffer decides each call with, in canonical order."""
+    """Each decision is written once (issue 23): end_step() applies what was recorded through the very decisions
+    an EarlySignalBuffer makes at each call (a signal's is the lock-free one its signal() and signal_batch() share),
+    in canonical order."""
     decided: list[tuple] = []
-    for name in ("signal", "register", "finish"):
+    for name in ("_signal_locked", "register", "finish"):
         def spy(self, *args, _decide=getattr(SignalBufferCore, name), _name=name):
             decided.append((_name, *args))
             return _decide(self, *args)
@@ -186,7 +187,8 @@ def test_end_step_decides_the_recorded_calls_through_the_early_buffers_own_decis
     buf.signal(1, 0, 5)
     assert decided == []  # recorded only
     assert buf.end_step() == []
-    assert decided == [("register", 2, 9), ("finish", 3), ("signal", 1, 0, 5), ("signal", 2, 1, 4)]
+    assert decided == [("register", 2, 9), ("finish", 3), ("_signal_locked", 1, 0, 5),
+                       ("_signal_locked", 2, 1, 4)]
     assert buf.progress(2) == Progress(4, 1)
 
 
