@@ -71,10 +71,11 @@ class EarlySignalBuffer(SignalBufferCore):
         with self._held:
             for slot, slot_tokens in zip(slot_list, token_list):
                 decided = decide(slot, layer, slot_tokens)
-                if decided is True:
-                    ready.append(ready_signal(slot, slot_tokens, 0.0))
-                elif decided:
-                    out += decided
+                if decided:  # the common outcome, progress or a signal kept, is False: one test
+                    if decided is True:
+                        ready.append(ready_signal(slot, slot_tokens, 0.0))
+                    else:
+                        out += decided
         if out:
             self._describe(out)
         return ready
