@@ -176,33 +176,29 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
      ("sample, segments, rule, test = np.zeros(1, word), np.zeros(1, np.int64), np.ones(4, word), "
       "np.zeros(5, np.uint64)"), "1 -> 2"):
         "the warm-up call's argument sizes: any valid call resolves the same argument types",
-    **{("kvobs/signals/_immediate.py", function, line, mutation):
+    **{("kvobs/signals/_core.py", function, line, mutation):
        "the plain-int fast path: as_int() returns a Python int >= 0 unchanged, 0 included"
        for function, line, mutations in (
-           ("EarlySignalBuffer.finish", "if not (type(slot) is int and slot >= 0):",
+           ("SignalBufferCore.finish", "if not (type(slot) is int and slot >= 0):",
             ("'>=' -> '>'", "0 -> 1", "condition -> True")),
-           ("EarlySignalBuffer.signal",
+           ("SignalBufferCore.signal",
             "if not (type(slot) is int and type(layer) is int and type(tokens) is int",
             ("condition -> True",)),
-           ("EarlySignalBuffer.signal", "and slot >= 0 and layer >= 0 and tokens >= 0):", ("'>=' -> '>'", "0 -> 1")),
-           ("EarlySignalBuffer.register",
+           ("SignalBufferCore.signal", "and slot >= 0 and layer >= 0 and tokens >= 0):", ("'>=' -> '>'", "0 -> 1")),
+           ("SignalBufferCore.register",
             "if not (type(slot) is int and type(need_tokens) is int and slot >= 0 and need_tokens >= 0):",
             ("condition -> True", "'>=' -> '>'", "0 -> 1")))
        for mutation in mutations},
-    **{("kvobs/signals/_immediate.py", function, line, mutation):
-       "a narrower fast path: the call is decided again from scratch by the shared core, with the same outcome"
+    **{("kvobs/signals/_core.py", function, line, mutation):
+       "a narrower fast path: the rare path finds nothing due and room, and takes the same decision"
        for function, line, mutations in (
-           ("EarlySignalBuffer.signal", "if tokens <= task[0]:", ("'<=' -> '<'", "condition -> False")),
-           ("EarlySignalBuffer.signal", "if now <= self._expire_at and len(pending) < self._max_pending:",
+           ("SignalBufferCore._signal_locked", "if now <= self._expire_at and len(pending) < self._buffer_room:",
             ("'<=' -> '<'", "condition -> False")),
-           ("EarlySignalBuffer.register",
+           ("SignalBufferCore.register",
             "if now <= self._expire_at and tokens <= need_tokens and len(live) < self._quiet_room:",
-            ("'<=' -> '<'", "condition -> False")),
-           ("EarlySignalBuffer.register", "elif slot not in self._live and len(self._live) < self._max_slots:",
-            ("condition -> False", "statement removed")),
-           ("EarlySignalBuffer.finish", "if slot not in self._pending:", ("condition -> False",)))
+            ("'<=' -> '<'", "condition -> False")))
        for mutation in mutations},
-    ("kvobs/signals/_immediate.py", "EarlySignalBuffer.finish",
+    ("kvobs/signals/_core.py", "SignalBufferCore.finish",
      "if len(self._waits) >= FLUSH_AT:  # bounds the waits register() notes: see the class docstring", "'>=' -> '>'"):
         "a forced flush one finish() later: the noted waits stay bounded and every one still reaches the metrics",
     **{("kvobs/signals/_core.py", "SignalBufferCore._evict_oldest_locked", line, mutation):
@@ -216,9 +212,13 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
            ("self._evicted = 0", ("statement removed", "0 -> 1")),
            ("pending.clear()", ("statement removed",)))
        for mutation in mutations},
-    ("kvobs/signals/_immediate.py", "EarlySignalBuffer._now_locked", "if now > self._expire_at:", "condition -> True"):
-        "performance only: a sweep with nothing due expires nothing; it only recomputes _expire_at (-inf once "
-        "nothing is pending, which sends the next buffered signal to the general path, with the same decision)",
+    **{(module, function, line, "condition -> True"):
+       "performance only: a sweep with nothing due expires nothing; it only recomputes _expire_at (-inf once "
+       "nothing is pending, which sends the next buffered signal to the rare path, with the same decision)"
+       for module, function, line in (
+           ("kvobs/signals/_immediate.py", "EarlySignalBuffer._now_locked", "if now > self._expire_at:"),
+           ("kvobs/signals/_step_aligned.py", "StepAlignedSignalBuffer._now_locked",
+            "if self._step > self._expire_at:  # at the start of end_step(), or after an interrupted sweep"))},
     **{("kvobs/signals/_core.py", "held",
         'return type("Held", (), {"__slots__": (), "__enter__": lock.__enter__, "__exit__": lock.__exit__})()',
         mutation): "cosmetic: the one-off class's name, and whether its single instance has a __dict__"

@@ -2,7 +2,9 @@
 
 `EarlySignalBuffer` decides at each call (one engine process, any number of threads);
 `StepAlignedSignalBuffer` decides once per model-runner step in a canonical order, so tensor-parallel ranks
-release identical batches. Both share one decision core (`kvobs.signals._core`).
+release identical batches. Each decision is written once, in `kvobs.signals._core`: the early buffer's
+`register()` and `finish()` are those decisions, its `signal()` and `signal_batch()` make the core's one signal
+decision (`_signal_locked`), and the step-aligned buffer applies the calls it recorded through the same ones.
 """
 
 from kvobs.errors import SignalBufferFull

@@ -3,8 +3,9 @@
 Why: each TP rank runs its own buffer, and the ranks' send barriers deadlock unless every rank releases the
 same batch at the same step. A rank's threads may see a signal and a registration in either order; decided at
 each call (as `EarlySignalBuffer` does), one rank would recover a signal that another sees as ready. So here
-`signal()`, `signal_batch()`, `register()` and `finish()` only check and record, and `end_step()` decides, with
-the same decisions as `EarlySignalBuffer`, in a canonical order that ignores arrival order across threads:
+`signal()`, `signal_batch()`, `register()` and `finish()` only check and record, and `end_step()` decides, through
+the very decisions `EarlySignalBuffer` makes at each call (`SignalBufferCore._signal_locked`, `register`, `finish`),
+in a canonical order that ignores arrival order across threads:
 expire by step age; then slot by slot (ascending) that slot's registrations and finishes in arrival order; then
 slot by slot the step's signals (repeats merged: the largest token count). It returns the step's batch:
 recovered signals, then ready ones, each group by slot.
@@ -21,20 +22,26 @@ rank; the rest are `overflow` (that count alone may differ by rank, as it depend
 registration applied while `max_slots` tasks are live is `refused` at `end_step()`, identically on every rank.
 Calls recorded without `end_step()` are bounded too: beyond 2 * `max_slots` registrations and finishes in one
 step, `register()`/`finish()` raise SignalBufferFull.
+
+Locks: recording and `end_step()` hold the step lock, and `end_step()` takes the core's lock within it for each
+registration and finish and once for all the step's signals (step lock -> core lock, never the reverse); the
+decisions' descriptions and recovered signals are collected and released with the step's batch, once the step
+lock is released.
 """
 
 from __future__ import annotations
 
 import heapq
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvobs import semconv as sc
 from kvobs.errors import SignalBufferFull
-from kvobs.signals._core import DEFAULT_MAX_SLOTS, SignalBufferCore
+from kvobs.signals._core import DEFAULT_MAX_SLOTS, SignalBufferCore, held
 from kvobs.signals._inputs import as_int, step_batch
-from kvobs.signals._records import NO_PROGRESS, Decision, ReadySignal, decision, ready_signal
+from kvobs.signals._records import NO_PROGRESS, Decision, Progress, ReadySignal, decision, ready_signal
 from kvobs.signals._reporting import OVERFLOW, REFUSED
 from kvobs.telemetry._metrics.engine_metrics import EngineMetrics
 
@@ -68,8 +75,16 @@ class StepAlignedSignalBuffer(SignalBufferCore):
     ) -> None:
         if as_int(ttl_steps, "ttl_steps") < 1:
             raise ValueError("ttl_steps must be >= 1")
+        self._step_recoveries: list[ReadySignal] = []  # of the step end_step() is deciding
+        self._step_descriptions: list[Decision] = []
         super().__init__(metrics=metrics, logger=logger, ttl=ttl_steps, max_pending=max_pending,
-                         max_slots=max_slots, clock=clock, log_level=log_level)
+                         max_slots=max_slots, clock=clock, decision_clock=self._step_now,
+                         on_recovered=self._step_recoveries.append, log_level=log_level)
+        self._describe = self._step_descriptions.extend
+        # held by every recording call and by end_step() throughout: the core's decisions, which end_step() makes
+        # as EarlySignalBuffer makes them, take the core's lock within it
+        self._step_lock = threading.Lock()
+        self._step_held = held(self._step_lock)
         self._step = 0
         self._wall = clock()  # the clock at the last end_step(): when this step's decisions were taken
         self._max_staged_calls = 2 * max_slots
@@ -84,7 +99,7 @@ class StepAlignedSignalBuffer(SignalBufferCore):
         layer = as_int(layer, "layer")
         tokens = as_int(tokens, "tokens")
         out: list[Decision] = []
-        with self._held:
+        with self._step_held:
             self._stage_signal_locked(slot, layer, tokens, out)
         if out:
             self._reporter.describe(out)
@@ -95,7 +110,7 @@ class StepAlignedSignalBuffer(SignalBufferCore):
         Every value is validated first, so a bad batch records nothing."""
         layer, slot_list, token_list = step_batch(layer, slots, tokens, count)
         out: list[Decision] = []
-        with self._held:
+        with self._step_held:
             for slot, slot_tokens in zip(slot_list, token_list):
                 self._stage_signal_locked(slot, layer, slot_tokens, out)
         if out:
@@ -112,48 +127,86 @@ class StepAlignedSignalBuffer(SignalBufferCore):
 
     def end_step(self) -> list[ReadySignal]:
         """Decide this step's recorded calls in canonical order; the batch every rank releases."""
-        out: list[Decision] = []
-        batch: list[ReadySignal] = []
-        with self._held:
+        ready: list[ReadySignal] = []
+        recovered = self._step_recoveries
+        described = self._step_descriptions
+        register = super().register
+        finish = super().finish
+        with self._step_held:
+            recovered.clear()  # what an interrupted step left here is dropped, as its own locals would be
+            described.clear()
             self._step += 1
-            step = self._step
-            self._wall = wall = self._clock()
+            wall = self._clock()
+            self._wall = wall
             calls = self._staged_calls
             signals = self._staged_signals
             self._staged_calls = {}
             self._staged_signals = {}
             self._staged_heap = []
             self._staged_call_count = 0
-            self._expire_locked(step, wall, out)
+            with self._held:
+                self._now_locked(described)  # expires what is due by this step
             for slot in sorted(calls):
                 for need in calls[slot]:
                     if need is _FINISH:
-                        self._finish_locked(slot, out)
-                    elif len(self._live) >= self._max_slots:
-                        self._refuse_locked(slot, need, out)
-                    elif (recovered := self._register_locked(slot, need, out)) is not None:
-                        batch.append(recovered)
-            for slot in sorted(signals):
-                staged = signals[slot]
-                if staged.furthest[1] > 0:
-                    tokens, layer = staged.furthest
-                    self._signal_locked(slot, layer, tokens, out)
-                tokens = staged.layer0_tokens
-                if tokens >= 0 and self._signal_locked(slot, 0, tokens, out):
-                    batch.append(ready_signal(slot, tokens, 0.0))
+                        finish(slot)
+                    else:
+                        try:
+                            register(slot, need)  # a recovered signal goes to `recovered`
+                        except SignalBufferFull:
+                            pass  # refused: counted and described as every refusal is
+            with self._held:
+                for slot in sorted(signals):
+                    staged = signals[slot]
+                    if staged.furthest[1] > 0:
+                        tokens, layer = staged.furthest
+                        self._signal_locked(slot, layer, tokens)  # progress only: nothing to describe
+                    tokens = staged.layer0_tokens
+                    if tokens >= 0:
+                        decided = self._signal_locked(slot, 0, tokens)
+                        if decided is True:
+                            ready.append(ready_signal(slot, tokens, 0.0))
+                        elif decided:
+                            described += decided
+            batch = recovered + ready
+            out = described[:]
+            recovered.clear()
+            described.clear()
         if out:
             self._reporter.describe(out)
         return batch
 
-    def _now_locked(self, out: list[Decision]) -> tuple[float, float]:
-        return self._step, self._wall  # what was due is expired at the start of end_step()
+    def _step_now(self) -> int:
+        return self._step
 
-    # -- recording, under self._lock --------------------------------------------------------------------------
+    def _now_locked(self, out: list[Decision]) -> tuple[float, float]:
+        if self._step > self._expire_at:  # at the start of end_step(), or after an interrupted sweep
+            self._expire_locked(self._step, self._wall, out)
+        return self._step, self._wall
+
+    def _after_fork_in_child(self) -> None:
+        super()._after_fork_in_child()
+        self._step_lock = threading.Lock()
+        self._step_held = held(self._step_lock)
+
+    def registered_slots(self) -> frozenset[int]:
+        """Slots with a live task as of the last step."""
+        with self._step_held:
+            return super().registered_slots()
+
+    def progress(self, slot: int) -> Progress | None:
+        """The furthest (tokens, layer) signalled for live `slot` as of the last step; None if unregistered or
+        no signal yet."""
+        with self._step_held:
+            return super().progress(slot)
+
+    # -- recording, under self._step_lock -----------------------------------------------------------------------
 
     def _stage_call(self, slot: int, need: int | None) -> None:
         out: list[Decision] = []
-        duplicate = full = False
-        with self._held:
+        duplicate = False
+        full = False
+        with self._step_held:
             calls = self._staged_calls.get(slot)
             if need is not _FINISH and (calls[-1] is not _FINISH if calls else slot in self._live):
                 duplicate = True

@@ -35,6 +35,7 @@ from signals_support import (
 
 from kvobs import semconv as sc
 from kvobs.signals import EarlySignalBuffer, Progress, ReadySignal, SignalBufferFull
+from kvobs.signals._core import SignalBufferCore
 from kvobs.signals._reporting import ATTR_WAITED_S, LOG_INTERVAL_S
 from kvobs.telemetry._metrics.engine_metrics import EngineMetrics
 
@@ -513,6 +514,33 @@ def test_drops_are_span_events_on_the_current_span_with_their_age():
          {sc.ATTR_SLOT: 2, sc.ATTR_TOKENS: 10, sc.ATTR_NEED_TOKENS: 9, sc.ATTR_OUTCOME: "dropped_invalid",
           ATTR_WAITED_S: 0.75}),
     ]
+
+
+def test_the_early_buffer_decides_with_the_shared_core_itself():
+    """Each decision is written once (issue 23): the early buffer's calls are the core's decisions, not a copy
+    of them kept in front for speed."""
+    for name in ("signal", "register", "finish"):
+        assert getattr(EarlySignalBuffer, name) is getattr(SignalBufferCore, name), name
+
+
+def test_signal_batch_decides_each_slot_as_signal_does(monkeypatch):
+    """Each decision is written once (issue 23): signal() and signal_batch() make the one lock-free decision of
+    the core, the batch once per slot under one lock."""
+    decided: list[tuple[int, int, int]] = []
+    decide = SignalBufferCore._signal_locked
+
+    def spy(self, slot, layer, tokens):
+        assert self._lock.locked()
+        decided.append((slot, layer, tokens))
+        return decide(self, slot, layer, tokens)
+
+    monkeypatch.setattr(SignalBufferCore, "_signal_locked", spy)
+    buf = EarlySignalBuffer()
+    assert buf.register(4, 10) is None
+    assert buf.signal(7, 0, 3) is False
+    assert buf.signal_batch(0, [4, 7, 9], [6, 5, 1]) == [ReadySignal(4, 0, 6, 0.0)]
+    assert decided == [(7, 0, 3), (4, 0, 6), (7, 0, 5), (9, 0, 1)]
+    assert buf.pending_count == 2 and buf.register(7, 5) == 5
 
 
 def test_on_recovered_gets_the_signal_once_outside_the_lock():

@@ -23,7 +23,7 @@ class Storm(Exception):
 
 
 def _storm(operation, seconds: float = 2.0) -> tuple[int, int]:
-    """Run `operation(i)` for i = 0, 1, ... under the storm; returns (interrupted calls, calls after which the
+    """Run `operation(i)` for i = 0, 1, ... under the storm; returns (interrupted calls, calls after which a
     lock was found held, and released by the test to go on)."""
     armed = False
     interrupted = leaked = 0
@@ -47,9 +47,10 @@ def _storm(operation, seconds: float = 2.0) -> tuple[int, int]:
             except Storm:
                 armed = False
                 interrupted += 1
-            if operation.lock.locked():
-                leaked += 1
-                operation.lock.release()
+            for lock in operation.locks:
+                if lock.locked():
+                    leaked += 1
+                    lock.release()
     finally:
         armed = False
         signal.setitimer(signal.ITIMER_REAL, 0, 0)
@@ -63,7 +64,8 @@ class Cycle:
 
     def __init__(self, buffer) -> None:
         self.buffer = buffer
-        self.lock = buffer._lock
+        # the buffer's lock, and the step-aligned buffer's step lock held around it
+        self.locks = [buffer._lock] + ([buffer._step_lock] if hasattr(buffer, "_step_lock") else [])
 
     def __call__(self, i: int) -> None:
         slot, buffer = i % 32, self.buffer

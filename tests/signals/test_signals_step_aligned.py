@@ -13,6 +13,7 @@ from signals_support import FakeClock, RecordingLogger, counts, make_metrics, no
 
 from kvobs import semconv as sc
 from kvobs.signals import EarlySignalBuffer, Progress, ReadySignal, SignalBufferFull, StepAlignedSignalBuffer
+from kvobs.signals._core import SignalBufferCore
 from kvobs.signals._reporting import ATTR_WAITED_S
 
 RANKS = 4
@@ -167,6 +168,28 @@ def test_ranks_on_real_threads_agree_and_count_the_same():
     assert all(b == batches[0] for b in batches[1:])
     scraped = {tuple(counts(reg, eng).items()) for reg, eng in registries}
     assert len(scraped) == 1 and dict(next(iter(scraped)))["recovered"] > 0
+
+
+def test_end_step_decides_the_recorded_calls_through_the_early_buffers_own_decisions(monkeypatch):
+    """Each decision is written once (issue 23): end_step() applies what was recorded through the very decisions
+    an EarlySignalBuffer makes at each call (a signal's is the lock-free one its signal() and signal_batch() share),
+    in canonical order."""
+    decided: list[tuple] = []
+    for name in ("_signal_locked", "register", "finish"):
+        def spy(self, *args, _decide=getattr(SignalBufferCore, name), _name=name):
+            decided.append((_name, *args))
+            return _decide(self, *args)
+        monkeypatch.setattr(SignalBufferCore, name, spy)
+    buf = StepAlignedSignalBuffer(clock=FakeClock())
+    buf.finish(3)
+    buf.signal(2, 1, 4)
+    buf.register(2, 9)
+    buf.signal(1, 0, 5)
+    assert decided == []  # recorded only
+    assert buf.end_step() == []
+    assert decided == [("register", 2, 9), ("finish", 3), ("_signal_locked", 1, 0, 5),
+                       ("_signal_locked", 2, 1, 4)]
+    assert buf.progress(2) == Progress(4, 1)
 
 
 def test_calls_only_record_until_end_step_and_expire_in_steps():
