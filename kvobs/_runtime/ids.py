@@ -48,11 +48,12 @@ def int_list(ids: Any, what: str = "block ids", *, ordered: bool = True) -> list
     torch, Paddle, CuPy); None, strings, sets, mappings and iterators are refused. ordered=False (ids read as a
     set): any iterable, and arrays of any shape, flattened. `what` names the ids in messages ("block ids").
     Raises BadIds."""
-    array = hasattr(ids, "tolist") and hasattr(ids, "ndim")  # NumPy, torch, Paddle, CuPy
-    if array:
-        values = _array_values(ids, what, ordered)
-    elif type(ids) is list or isinstance(ids, (tuple, range)):
+    array = False
+    if type(ids) is list or isinstance(ids, (tuple, range)):  # first: what engines pass most
         values = ids
+    elif hasattr(ids, "tolist") and hasattr(ids, "ndim"):  # NumPy, torch, Paddle, CuPy
+        array = True
+        values = _array_values(ids, what, ordered)
     elif ids is None:
         raise BadIds(NONE, ids, f"{what} resolved to None; pass a sequence of ints (empty if none)")
     elif ordered:
