@@ -99,7 +99,10 @@ def resolve_blocks(
     group_sizes: Any = None,
 ) -> Blocks:
     """Validate ids and derive the distinct blocks; raise TransferRejected naming the first problem."""
-    ids = block_id_list(path, block_ids)
+    try:  # block_id_list, inlined: the fast path's one call here
+        ids = int_list(block_ids)
+    except BadIds as exc:
+        raise TransferRejected(path, str(exc)) from None
     ordered = sorted(ids) if page_size is None else None  # block ids: sorted anyway; token slots: only pages
     lowest = ordered[0] if ordered else min(ids, default=0)
     if lowest < 0:
