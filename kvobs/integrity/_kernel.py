@@ -4,7 +4,8 @@ Why: torch has no reduction over a list of scattered slices, so the pure-torch p
 per run of adjacent blocks. The kernel (`kvobs.integrity._kernel_numba`) walks the blocks itself and keeps,
 per block, the largest key `(bits & mask) ^ flip` (see `kvobs.integrity._bits`): exact for every format,
 NaN and Inf told apart in the same pass, no temporary, no float arithmetic, so it runs at memory speed
-whether the blocks are adjacent or scattered.
+whether the blocks are adjacent or scattered. A `CachePlan` puts the plans of every tensor of a cache in tables
+one compiled call reads: a small check (a transfer's few blocks) is then one call, not one per tensor.
 
 The kernel needs numba (the `fast` extra). Without it, or when compiling fails, `plan()` returns None
 and the caller uses the pure-torch path (the NumPy one where torch is not installed);
