@@ -12,7 +12,7 @@ from collections import OrderedDict
 from typing import Any
 
 from kvobs.errors import TransferRejected
-from kvobs.integrity._check import check_blocks  # imports nothing heavy: NumPy and torch load with a cache
+from kvobs.integrity._check import check_sorted  # imports nothing heavy: NumPy and torch load with a cache
 
 
 class CacheCheck:
@@ -43,12 +43,14 @@ class CacheCheck:
             layout = validate_cache(cache, block_dim=self.block_dim)
         except (TypeError, ValueError) as exc:
             raise TransferRejected(path, f"cache cannot be checked: {exc}") from None
+        layout.joint  # built (and its kernel compiled) now, before any lock, not inside the first check
         self._seen[id(cache)] = (cache, layout)
         while len(self._seen) > self._remembered:
             self._seen.popitem(last=False)
         return layout
 
     @staticmethod
-    def check(layout: Any, block_ids: tuple[int, ...]) -> Any:
-        """The NaN/Inf check of `block_ids` in a cache validated by `inspect`."""
-        return check_blocks(layout, block_ids)
+    def check(layout: Any, distinct: tuple[int, ...]) -> Any:
+        """The NaN/Inf check of a transfer's validated blocks (`Blocks.distinct`) in a cache validated by
+        `inspect`: its CheckResult when something was found, None when clean."""
+        return check_sorted(layout, distinct)

@@ -35,9 +35,9 @@ def replacement(t: Checked, blocks: Blocks | None, *, can_replace: bool) -> Any:
     route = t.route
     if t.cache is None or blocks is None or not blocks.distinct or not route.sampler.should_check():
         return UNSET
-    result = route.caches.check(t.cache_info, blocks.distinct)
+    result = route.caches.check(t.cache_info, blocks.distinct)  # None: clean
     route.recorder.checked(t, result, route.policy.mode)
-    if result.clean or route.policy.mode == "count":
+    if result is None or route.policy.mode == "count":
         return UNSET
     t.bad_block_ids = result.bad_block_ids
     if can_replace and t.on_corrupt is not None:
@@ -67,9 +67,9 @@ def check_copied(t: Checked, cache: Any = None, block_ids: Any = None) -> Any:
         layout = route.caches.inspect(t.path, cache, blocks)
     if cache is None or layout is None or blocks is None or not blocks.distinct:
         return None
-    result = route.caches.check(layout, blocks.distinct)
+    result = route.caches.check(layout, blocks.distinct)  # None: clean
     route.recorder.checked(t, result, route.policy.mode)
-    if result.clean or route.policy.mode == "count":
+    if result is None or route.policy.mode == "count":
         return None
     t.bad_block_ids = result.bad_block_ids
     return result

@@ -11,13 +11,11 @@ They accept what real engines pass and still reject what is wrong:
 
 from __future__ import annotations
 
-import operator
-from collections.abc import Callable, Mapping, Sequence, Set
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
+from kvobs._runtime.ids import BadIds, int_list
 from kvobs.errors import TransferRejected
-
-_INT_ONLY = {int}
 
 
 class Blocks(NamedTuple):
@@ -35,31 +33,13 @@ class Blocks(NamedTuple):
 
 
 def block_id_list(path: str, block_ids: Any, what: str = "block ids") -> list[int]:
-    """Ids as a list of Python ints: lists, tuples, ranges, and 1-D integer arrays or tensors (NumPy, torch,
-    Paddle). None, sets, mappings, strings and iterators are refused: their order or length is not the call's."""
-    if block_ids is None:
-        raise TransferRejected(path, f"{what} resolved to None; pass a sequence of ints (empty if none)")
-    if isinstance(block_ids, (list, tuple, range)):
-        pass
-    elif hasattr(block_ids, "tolist") and hasattr(block_ids, "ndim"):  # NumPy, torch, Paddle
-        if block_ids.ndim != 1:
-            raise TransferRejected(path, f"{what} must be one-dimensional, got shape {tuple(block_ids.shape)}")
-        if getattr(block_ids, "is_meta", False):  # torch would raise NotImplementedError from tolist()
-            raise TransferRejected(path, f"{what} are a meta tensor: it holds no values to read")
-        block_ids = block_ids.tolist()
-    elif isinstance(block_ids, (str, bytes, Set, Mapping)) or not isinstance(block_ids, Sequence):
-        raise TransferRejected(path, f"{what} must be a sequence of ints, got {type(block_ids).__name__}")
-    if set(map(type, block_ids)) <= _INT_ONLY:  # checked in C
-        return block_ids if isinstance(block_ids, list) else list(block_ids)
-    ids = []
-    for b in block_ids:
-        if isinstance(b, bool):
-            raise TransferRejected(path, f"block id {b!r} is a bool, not an int")
-        try:
-            ids.append(operator.index(b))
-        except TypeError:
-            raise TransferRejected(path, f"block id {b!r} is a {type(b).__name__}, not an int") from None
-    return ids
+    """Ids as a list of Python ints (see `kvobs._runtime.ids.int_list`: lists, tuples, ranges, 1-D integer
+    arrays or tensors); TransferRejected naming the problem. None, sets, mappings, strings and iterators are
+    refused: their order or length is not the call's."""
+    try:
+        return int_list(block_ids, what)
+    except BadIds as exc:
+        raise TransferRejected(path, str(exc)) from None
 
 
 def validate_sync(path: str, is_sync: Any, *, sync_required: bool, completes_later: bool) -> None:
@@ -119,7 +99,10 @@ def resolve_blocks(
     group_sizes: Any = None,
 ) -> Blocks:
     """Validate ids and derive the distinct blocks; raise TransferRejected naming the first problem."""
-    ids = block_id_list(path, block_ids)
+    try:  # block_id_list, inlined: the fast path's one call here
+        ids = int_list(block_ids)
+    except BadIds as exc:
+        raise TransferRejected(path, str(exc)) from None
     ordered = sorted(ids) if page_size is None else None  # block ids: sorted anyway; token slots: only pages
     lowest = ordered[0] if ordered else min(ids, default=0)
     if lowest < 0:

@@ -1,1 +1,2 @@
-"""Process mechanics every layer leans on: bookkeeping an interrupt cannot tear, renewal after fork."""
+"""Mechanics every layer leans on: bookkeeping an interrupt cannot tear, renewal after fork, engine ids read as
+checked ints."""

@@ -48,6 +48,24 @@ def check_blocks(
     return CheckResult(ids.shape[0], tuple(sorted(nan)), tuple(sorted(bad - nan)))
 
 
+def check_sorted(validated: ValidatedCache, ids: tuple[int, ...]) -> CheckResult | None:
+    """The check as the lifecycle runs it, on a validated cache: `ids` are a transfer's validated blocks (Python
+    ints, sorted, distinct, non-negative: `Blocks.distinct`), so nothing is converted, sorted or deduplicated
+    again, and a small check of a cache the kernel reads whole is one compiled call on this thread. None when
+    clean: a result is built only when something was found. IndexError for an id past the cache."""
+    joint = validated.joint
+    if joint is None or not 0 < len(ids) <= joint.most_ids or ids[-1] >= validated.num_blocks:
+        result = check_blocks(validated, ids)
+        return None if result.clean else result
+    work, found = joint.mark(ids)
+    if not found:
+        return None
+    n = len(ids)
+    flags = work[n : 2 * n]
+    checked = work[:n]
+    return CheckResult(n, tuple(checked[flags == 2].tolist()), tuple(checked[flags == 1].tolist()))
+
+
 def _bad_blocks(validated: ValidatedCache, ids: np.ndarray, method: str) -> tuple[set[int], set[int]]:
     """(NaN ids, non-finite ids) over all tensors, each read by the method chosen for it."""
     import numpy as np

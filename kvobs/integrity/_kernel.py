@@ -4,7 +4,8 @@ Why: torch has no reduction over a list of scattered slices, so the pure-torch p
 per run of adjacent blocks. The kernel (`kvobs.integrity._kernel_numba`) walks the blocks itself and keeps,
 per block, the largest key `(bits & mask) ^ flip` (see `kvobs.integrity._bits`): exact for every format,
 NaN and Inf told apart in the same pass, no temporary, no float arithmetic, so it runs at memory speed
-whether the blocks are adjacent or scattered.
+whether the blocks are adjacent or scattered. A `CachePlan` puts the plans of every tensor of a cache in tables
+one compiled call reads: a small check (a transfer's few blocks) is then one call, not one per tensor.
 
 The kernel needs numba (the `fast` extra). Without it, or when compiling fails, `plan()` returns None
 and the caller uses the pure-torch path (the NumPy one where torch is not installed);
@@ -70,6 +71,63 @@ class KernelPlan:
         chunk = max(1, CHUNK_BYTES // self.block_bytes)
         layout = (self.block_stride, self.segments, self.length)
         return self.entry(self.words, ids, *layout, self.rule, self.test, flags, chunk, counter)
+
+
+@dataclass(frozen=True, eq=False)
+class CachePlan:
+    """The plans of every tensor of a cache, in the tables one compiled call reads them all from
+    (`kernel_numba.cache_flags`): a small check is one call, however many tensors the cache has.
+
+    Holds the plans, whose word views hold the tensors' memory: the addresses stay valid while it lives."""
+
+    plans: tuple[KernelPlan, ...]
+    addresses: np.ndarray
+    spans: np.ndarray
+    block_strides: np.ndarray
+    first_segments: np.ndarray
+    segments: np.ndarray
+    lengths: np.ndarray
+    rules: np.ndarray
+    tests: np.ndarray
+    chunks: np.ndarray
+    block_bytes: int  # bytes read per checked block, over every tensor
+    most_ids: int  # the most ids one thread checks (more: the check is shared by threads, see `_threads`)
+    entry: Callable[..., int]  # `kernel_numba.ready_cache` for the tensors' words
+
+    def mark(self, ids: tuple[int, ...]) -> tuple[np.ndarray, int]:
+        """(work, found) for sorted distinct in-range ids: work[n : 2n] are the flags of the n ids (2 NaN, 1 Inf,
+        0 clean) in every tensor, read on this thread; `found` is 0 when every flag is 0."""
+        n = len(ids)
+        # One array, built in one call, for everything the kernel writes: per-call NumPy calls are what a check
+        # costs most when the CPU caches are cold.
+        work = np.array(ids + (0,) * (n + len(self.plans)), dtype=np.int64)
+        found = self.entry(self.addresses, self.spans, self.block_strides, self.first_segments, self.segments,
+                           self.lengths, self.rules, self.tests, self.chunks, work, n)
+        return work, found
+
+
+def cache_plan(plans: list[KernelPlan], most_bytes: int) -> CachePlan | None:
+    """One table for the plans of a cache's tensors, for checks of fewer than `most_bytes`; None where they read
+    different word widths (the plans are then called one by one)."""
+    if not plans or len({plan.words.dtype for plan in plans}) != 1:
+        return None
+    word = plans[0].words.dtype.type
+    first_segments = np.cumsum([0] + [plan.segments.shape[0] for plan in plans], dtype=np.int64)
+    return CachePlan(
+        plans=tuple(plans),
+        addresses=np.array([plan.words.ctypes.data for plan in plans], dtype=np.int64),
+        spans=np.array([plan.words.shape[0] for plan in plans], dtype=np.int64),
+        block_strides=np.array([plan.block_stride for plan in plans], dtype=np.int64),
+        first_segments=first_segments,
+        segments=np.concatenate([plan.segments for plan in plans]),
+        lengths=np.array([plan.length for plan in plans], dtype=np.int64),
+        rules=np.stack([plan.rule for plan in plans]),
+        tests=np.stack([plan.test for plan in plans]),
+        chunks=np.array([max(1, CHUNK_BYTES // plan.block_bytes) for plan in plans], dtype=np.int64),
+        block_bytes=sum(plan.block_bytes for plan in plans),
+        most_ids=(most_bytes - 1) // sum(plan.block_bytes for plan in plans),
+        entry=_load().ready_cache(word),
+    )
 
 
 def distinct_sorted(ids: np.ndarray) -> np.ndarray:

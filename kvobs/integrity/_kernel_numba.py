@@ -63,11 +63,22 @@ def _raise_flag(typingctx: Any, flags: Any, index: Any, value: Any) -> Any:
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
         data = context.make_array(signature.args[0])(context, builder, args[0]).data
-        byte = context.cast(builder, args[2], signature.args[2], numba.types.uint8)
-        builder.atomic_rmw("umax", builder.gep(data, [args[1]]), byte, "monotonic")
+        flag = context.cast(builder, args[2], signature.args[2], signature.args[0].dtype)
+        builder.atomic_rmw("umax", builder.gep(data, [args[1]]), flag, "monotonic")
         return context.get_dummy_value()
 
     return numba.types.void(flags, index, value), codegen
+
+
+@intrinsic
+def _words_at(typingctx: Any, address: Any, like: Any) -> Any:
+    """A pointer to words of `like`'s dtype at `address` (the memory of a tensor the caller holds)."""
+    pointer = numba.types.CPointer(like.dtype)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.inttoptr(args[0], context.get_value_type(pointer))
+
+    return pointer(address, like), codegen
 
 
 @_jit
@@ -210,6 +221,25 @@ def block_flags(words, ids, block_stride, segments, length, rule, test, flags, c
 
 
 @_jit
+def cache_flags(addresses, spans, block_strides, first_segments, segments, lengths, rules, tests, chunks, work, n):  # type: ignore[no-untyped-def]
+    """block_flags over every tensor of a cache in one call, on one thread; returns how many runs held something
+    non-finite (0: nothing to look at in the flags).
+
+    Per tensor p: its words (`spans[p]` of them) start at `addresses[p]`; its segments are
+    segments[first_segments[p] : first_segments[p + 1]]; rules[p], tests[p], chunks[p] as in block_flags.
+    work: the ids (n, sorted, distinct, in range), then their flags (n, zero), then one counter per tensor (zero).
+    """
+    ids = work[:n]
+    flags = work[n : 2 * n]
+    bad = 0
+    for p in range(addresses.shape[0]):
+        words = numba.carray(_words_at(addresses[p], rules), (spans[p],))
+        bad += block_flags(words, ids, block_strides[p], segments[first_segments[p] : first_segments[p + 1]],
+                           lengths[p], rules[p], tests[p], flags, chunks[p], work[2 * n + p : 2 * n + p + 1])
+    return bad
+
+
+@_jit
 def _distinct_sorted(ids):  # type: ignore[no-untyped-def]
     """Sort ids in place, move the distinct ones to the front and return how many there are."""
     ids.sort()
@@ -255,6 +285,26 @@ def ready(word: type) -> Callable[..., int]:
     return entry
 
 
+def ready_cache(word: type) -> Callable[..., int]:
+    """cache_flags for one word width, as a compiled entry point (see `ready`: it trusts its argument types)."""
+    entry = _cache_entries.get(word)
+    if entry is not None:
+        return entry
+    ints = numba.types.Array(numba.types.int64, 1, "C")
+    table = numba.types.Array(numba.from_dtype(np.dtype(word)), 2, "C")
+    tests = numba.types.Array(numba.types.uint64, 2, "C")
+    count = numba.types.int64
+    entry = cache_flags.compile((ints, ints, ints, ints, ints, ints, table, tests, ints, ints, count))
+    one = np.zeros(1, np.int64)
+    sample = np.zeros(8, word)  # a first call pages the compiled code in (see `ready`)
+    address = np.array([sample.ctypes.data], np.int64)
+    rules = np.ones((1, 4), word)
+    entry(address, one + 1, one, np.array([0, 1], np.int64), one, one + 1, rules, np.zeros((1, 5), np.uint64),
+          one + 1, np.zeros(3, np.int64), 1)
+    _cache_entries[word] = entry
+    return entry
+
+
 def distinct_sorted() -> Callable[[np.ndarray], int]:
     """`_distinct_sorted` for a writable int64 array, as a compiled entry point (see `ready`)."""
     global _distinct_entry
@@ -265,4 +315,5 @@ def distinct_sorted() -> Callable[[np.ndarray], int]:
 
 
 _entries: dict[type, Callable[..., int]] = {}
+_cache_entries: dict[type, Callable[..., int]] = {}
 _distinct_entry: Callable[[np.ndarray], int] | None = None

@@ -79,6 +79,17 @@ class ValidatedCache:
         pairs = [(t, plan) for t, plan in zip(self.tensors, self.plans) if elements(t)]
         return [plan for _, plan in pairs if plan is not None], [t for t, plan in pairs if plan is None]
 
+    @functools.cached_property
+    def joint(self) -> kernel.CachePlan | None:
+        """The kernel's table of every tensor, read in one call by small checks (`_check.check_sorted`); None
+        where some tensor is read by torch or NumPy, or the tensors' word widths differ."""
+        import kvobs.integrity._threads as threads
+
+        by_kernel, by_library = self._auto_split
+        if by_library:
+            return None
+        return kernel.cache_plan(by_kernel, most_bytes=2 * threads.MIN_BYTES_PER_THREAD)
+
     def block_ids(self, block_ids: Any) -> np.ndarray:
         """The ids, sorted and distinct (int64); TypeError for non-integers, IndexError for ids beyond the
         cache."""

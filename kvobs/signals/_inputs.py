@@ -10,6 +10,8 @@ import operator
 from collections.abc import Sequence
 from typing import Any
 
+from kvobs._runtime import ids
+
 
 def as_int(value: Any, name: str, minimum: int = 0) -> int:
     """A Python int >= `minimum` from an int, numpy integer or one-element integer tensor; else a clear error."""
@@ -28,11 +30,17 @@ def as_int(value: Any, name: str, minimum: int = 0) -> int:
 
 
 def int_list(values: Any, name: str) -> list[int]:
-    """Sequences, numpy arrays and tensors as a list of Python ints (one `.tolist()`, no per-item device sync)."""
-    values = values.tolist() if hasattr(values, "tolist") else list(values)
-    if values and set(map(type, values)) == {int} and min(values) >= 0:
-        return values  # the common case, checked in C loops only: a transfer's ids are on the engine's hot path
-    return [as_int(v, name) for v in values]
+    """Sequences, NumPy arrays and tensors as a list of Python ints >= 0, read as everywhere in kvobs
+    (`kvobs._runtime.ids`: one `.tolist()`, no per-item device sync); the signals' errors naming `name`."""
+    try:
+        ints = ids.int_list(values, name)
+    except ids.BadIds as exc:
+        if exc.problem in ids.ONE_ID:
+            as_int(exc.value, name)  # raises the error every signal argument gets for that value
+        raise TypeError(str(exc)) from None
+    if ints and min(ints) < 0:
+        as_int(min(ints), name)  # raises: below the minimum
+    return ints
 
 
 def step_batch(layer: Any, slots: Sequence[int] | Any, tokens: Sequence[int] | Any,

@@ -204,13 +204,16 @@ class Recorder:
                 self.failed("metrics", exc)
 
     def checked(self, t: Ended, result: Any, policy: str) -> None:
-        """One NaN/Inf check; a finding also becomes a span event and an error log."""
+        """One NaN/Inf check (`result` None: clean); a finding also becomes a span event and an error log."""
         if self.metrics is not None:
             try:
-                self.metrics.checked(result.result, len(result.bad_block_ids))
+                if result is None:
+                    self.metrics.checked(sc.CHECK_CLEAN, 0)
+                else:
+                    self.metrics.checked(result.result, len(result.bad_block_ids))
             except Exception as exc:  # noqa: BLE001
                 self.failed("metrics", exc)
-        if result.clean:
+        if result is None or result.clean:
             return
         bad = list(result.bad_block_ids[:MAX_IDS_ON_SPAN])
         if t.span is not None:

@@ -22,6 +22,7 @@ from kvobs.integrity import _threads as threads
 from kvobs.integrity import _torch_path as torch_path
 from kvobs.integrity import check_blocks, validate_cache
 from kvobs.integrity._bits import non_finite_bits
+from kvobs.integrity._check import check_sorted
 
 pytest.importorskip("numba")
 
@@ -220,6 +221,59 @@ def test_without_numba_everything_runs_on_torch(monkeypatch):
         check_blocks(cache, [1], method="kernel")
 
 
+def _lifecycle_cache(dtype) -> list[torch.Tensor]:
+    """Three layers of one dtype and three layouts: contiguous blocks, blocks of 4 pieces (a transposed view),
+    blocks with values after the last whole 64-bit word."""
+    return [torch.ones(16, 4, 64).to(dtype), torch.ones(4, 16, 64).to(dtype).transpose(0, 1),
+            torch.ones(16, 4097).to(dtype)]
+
+
+@pytest.mark.parametrize("dtype", EVERY_FORMAT, ids=str)
+def test_the_lifecycles_check_reads_every_tensor_in_one_call_exactly(dtype, monkeypatch):
+    """`check_sorted` (how the lifecycle checks a transfer's validated blocks: one compiled call over every
+    tensor of the cache) finds a NaN or Inf in any tensor, in any piece of a block, tells them apart (NaN wins
+    in a block holding both), and agrees with check_blocks and the naive reference; clean is None."""
+    layers = _lifecycle_cache(dtype)
+    validated = validate_cache(layers)
+    assert validated.joint is not None and len(validated.joint.plans) == 3
+    monkeypatch.setattr(kernel.KernelPlan, "mark", lambda *args: pytest.fail("read tensor by tensor"))
+    ids = (0, 1, 5, 9, 15)
+    assert check_sorted(validated, ids) is None
+    for layer, where in ((0, (5, 3, 63)), (1, (9, 2, 0)), (2, (15, 4096)), (2, (0, 0))):
+        for value in (float("nan"), float("inf"), -float("inf")):
+            other = layers[(layer + 1) % 3]
+            layers[layer][where] = value
+            other[(1,) + (0,) * (other.dim() - 1)] = float("inf")  # another tensor's Inf in another block
+            nan, inf = naive(layers, ids)
+            result = check_sorted(validated, ids)  # None: clean (a format whose Inf saturates to a finite value)
+            found = ((), ()) if result is None else (result.nan_block_ids, result.inf_block_ids)
+            assert found == (tuple(sorted(nan)), tuple(sorted(inf))) and (result is None) == (not nan and not inf)
+            monkeypatch.undo()
+            expect(check_blocks(validated, ids, method="kernel"), nan, inf, checked=len(ids))
+            monkeypatch.setattr(kernel.KernelPlan, "mark", lambda *args: pytest.fail("read tensor by tensor"))
+            layers[layer][where] = 1
+            other[(1,) + (0,) * (other.dim() - 1)] = 1
+    layers[0][(5, 0, 0)] = float("nan")
+    layers[2][(5, 7)] = float("inf")
+    expect(check_sorted(validated, ids), nan={5}, checked=len(ids))
+
+
+def test_the_lifecycles_check_falls_back_where_one_call_cannot_read_the_cache():
+    """Tensors of two widths, or one the kernel does not read (pieces too small): each tensor is read as
+    check_blocks reads it. Ids past the cache (a moved-blocks report) are refused, never read."""
+    mixed = [torch.ones(16, 64, dtype=torch.bfloat16), torch.ones(16, 64, dtype=torch.float32)]
+    mixed[1][7, 3] = float("nan")
+    tiny_pieces = [torch.ones(16, 64, 2, dtype=torch.bfloat16).transpose(1, 2)]
+    tiny_pieces[0][7, 1, 3] = float("inf")
+    for cache, nan, inf in ((mixed, {7}, set()), (tiny_pieces, set(), {7})):
+        validated = validate_cache(cache)
+        assert validated.joint is None
+        expect(check_sorted(validated, (2, 7, 15)), nan, inf, checked=3)
+        assert check_sorted(validated, (2, 15)) is None
+    with pytest.raises(IndexError, match="block id 16 out of range"):
+        check_sorted(validate_cache(_lifecycle_cache(torch.float16)), (2, 16))
+
+
 def test_the_kernel_only_reads():
     cache = torch.ones(8, 4, 64, dtype=torch.bfloat16)
     cache[2, 1, 1] = float("nan")
@@ -248,7 +302,7 @@ def test_many_threads_checking_at_once(monkeypatch):
             start.wait()
             for round_ in range(40):
                 ids = list(range(64)) if round_ % 2 else [n, n + 8, 40]
-                result = check_blocks(caches[n], ids)
+                result = check_blocks(caches[n], ids) if round_ % 3 else check_sorted(caches[n], (n, n + 8, 40))
                 assert result.nan_block_ids == (n,) and result.inf_block_ids == (n + 8,)
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
@@ -299,6 +353,7 @@ def test_no_writable_cache_directory_compiles_in_memory(tmp_path):
         import torch
         from kvobs.integrity import check_blocks
         from kvobs.integrity import _kernel as kernel
+        from kvobs.integrity._check import check_sorted
         from kvobs.integrity import _kernel_numba as kernel_numba
 
         assert kernel.unavailable_reason() is None, kernel.unavailable_reason()
@@ -326,6 +381,7 @@ def test_the_kernel_never_reads_outside_its_arrays(tmp_path):
         import torch
         from kvobs.integrity import check_blocks, validate_cache
         from kvobs.integrity import _kernel as kernel
+        from kvobs.integrity._check import check_sorted
 
         assert kernel.unavailable_reason() is None, kernel.unavailable_reason()
         rng = random.Random(0)
@@ -338,8 +394,11 @@ def test_the_kernel_never_reads_outside_its_arrays(tmp_path):
                 for ids in ([0], [n - 1], list(range(n)), [0, n - 1], sorted(rng.sample(range(n), n // 2)),
                             list(range(n - 3, n)), [1, 2, 3, 7, 8, n - 2, n - 1]):
                     assert check_blocks(validated, ids, method="kernel").clean, (dtype, shape, ids)
+                    assert check_sorted(validated, tuple(sorted(set(ids)))) is None, (dtype, shape, ids)
                     flat[ids[-1], -1] = float("nan")
                     found = check_blocks(validated, ids, method="kernel").nan_block_ids
+                    assert found == (ids[-1],), (dtype, shape, ids, found)
+                    found = check_sorted(validated, tuple(sorted(set(ids)))).nan_block_ids
                     assert found == (ids[-1],), (dtype, shape, ids, found)
                     flat[ids[-1], -1] = 1.5
         print("ok")

@@ -331,6 +331,45 @@ def test_ids_come_back_as_a_list_of_python_ints_whatever_sequence_came_in(obs, i
         assert blocks.count == 3
 
 
+# Every part of kvobs that takes ids reads them alike: the lifecycle (a transfer's block ids), the integrity check
+# (`check_blocks`' ids) and the signal buffers and integrations (slots, ids); each raises its own clear error.
+def _read_by_every_part(ids):
+    from kvobs.integrations._common import int_list
+    from kvobs.integrity import validate_cache
+
+    readers = {
+        "lifecycle": lambda: resolve_blocks("prefetch", ids, capacity=64).ids,
+        "integrity": lambda: validate_cache(torch.zeros(64, 2)).block_ids(ids).tolist(),
+        "integrations": lambda: int_list(ids),
+    }
+    outcomes = {}
+    for part, read in readers.items():
+        try:
+            outcomes[part] = read()
+        except (kvobs.TransferRejected, TypeError, ValueError) as exc:
+            outcomes[part] = type(exc)
+    return outcomes
+
+
+@pytest.mark.parametrize("ids", [s[1] for s in SEQUENCES] + [range(4, 1, -2), array.array("q", [4, 1, 3])],
+                         ids=[s[0] for s in SEQUENCES] + ["range", "array.array"])
+def test_every_part_of_kvobs_accepts_the_same_id_forms(ids):
+    expected = [int(i) for i in ids]
+    assert _read_by_every_part(ids) == {"lifecycle": expected, "integrity": sorted(set(expected)),
+                                        "integrations": expected}
+
+
+@pytest.mark.parametrize("ids", [[1.5], [True], [None], ["3"], np.array([0.5]), np.array([True]),
+                                 torch.tensor([1.0]), torch.tensor([1, 2], device="meta")],
+                         ids=["float", "bool", "None", "str", "float array", "bool array", "float tensor", "meta tensor"])
+def test_every_part_of_kvobs_refuses_the_same_ids_with_its_own_error(ids):
+    assert _read_by_every_part(ids) == {
+        "lifecycle": kvobs.TransferRejected,
+        "integrity": ValueError if isinstance(ids, torch.Tensor) and ids.is_meta else TypeError,
+        "integrations": TypeError,
+    }
+
+
 def test_a_range_comes_back_as_a_list(obs):
     blocks = obs.transfer("prefetch", block_ids=range(2, 5)).blocks
     assert type(blocks.ids) is list

@@ -26,6 +26,6 @@ __all__ = ["HookFailures", "checkable", "default_logger", "int_list", "require_s
 
 def int_list(ids: Any) -> list[int]:
     """Ids as an engine hands them over (a list, a NumPy array, a torch or Paddle tensor) as Python ints >= 0,
-    converted as kvobs's signal buffers convert theirs (one `.tolist()`, no per-item device sync); TypeError
-    for a value that is not an integer."""
+    read as everywhere in kvobs (`kvobs._runtime.ids`: one `.tolist()`, no per-item device sync); TypeError
+    for a value that is not an integer, ValueError for a negative one."""
     return _checked_int_list(ids, "id")
