@@ -109,7 +109,9 @@ def check_schema(doc: dict) -> None:
     assert list(doc["targets"]) == ["forward_lock_wait_p99", "forward_lock_wait_total", "throughput"]
     for target in doc["targets"].values():
         assert target["run"] == "block_lock" and target["required"] == 0.9
-        assert isinstance(target["met"], bool) and isinstance(target.get("reduction", target.get("ratio")), float)
+        score = target.get("reduction", target.get("ratio"))
+        # a baseline that measured nothing (a 0 on a loaded machine) has a null score and `met` (docs/demo.md)
+        assert (isinstance(target["met"], bool) and isinstance(score, float)) or target["met"] is score is None
 
 
 def test_json_summary_on_stdout_progress_on_stderr():
