@@ -169,6 +169,9 @@ def plan(tensor: Any, block_dim: int) -> KernelPlan | None:
     if words is None:
         return None
     entry = _load().ready(words.dtype.type)
+    # and the one-call kernel of small checks (`cache_plan`) for these words: compiled (or loaded from disk)
+    # where caches are validated, at an engine's start-up, not in its first transfer
+    _load().ready_cache(words.dtype.type)
     rule = np.array((bits.mask, bits.flip, bits.bad_min, bits.nan_min), dtype=words.dtype)
     test = np.array(lane_test(bits), dtype=np.uint64)
     rule.flags.writeable = test.flags.writeable = False
