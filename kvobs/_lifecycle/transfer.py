@@ -510,6 +510,8 @@ class Transfer:
             moved = self.moved_from(result)
         if moved is not None:
             self.reported_moved = resolve_blocks(self.path, moved, capacity=route.capacity, page_size=route.page_size)
+            if self.cache_info is not None:  # and within the cache the check reads: refused by name, not mid-check
+                route.caches.inspect(self.path, self.cache, self.reported_moved)
         self.state = DONE
         self.outcome = sc.OUTCOME_OK
         if not route.reads_blocks and route.policy is not None:

@@ -500,3 +500,19 @@ def test_a_key_without_a_table_of_open_transfers_is_only_checked_for_hashability
     validate_key("forward", ("layer", 3), None)
     with pytest.raises(kvobs.TransferRejected, match=r"key \['layer', 3\] is not hashable"):
         validate_key("forward", ["layer", 3], None)
+
+
+def test_moved_blocks_past_the_cache_are_refused_by_name_and_the_transfer_ends(registry):
+    """Completion's `moved=` names blocks the cache must hold: one past its end is a TransferRejected naming it
+    (not an IndexError from inside the check), the lock is released and the transfer recorded as an error."""
+    cache = torch.zeros(8, 16)
+    obs = kvobs.KVObserver("moved-past", registry=registry, integrity="raise")
+    t = obs.begin("prefetch", block_ids=[1, 2], cache=cache, key="k")
+    with pytest.raises(kvobs.TransferRejected, match="block id 9 is out of range for a cache of 8 blocks"):
+        t.complete(moved=[2, 9])
+    assert t.state == "failed" and not t.holds()
+    assert obs.open_transfer("prefetch", "k") is None
+    assert lock_is_free(obs.lock)
+    errors = registry.get_sample_value("kvobs_transfers_total", {"engine": "moved-past", "path": "prefetch",
+                                                                 "outcome": "error"})
+    assert errors == 1
