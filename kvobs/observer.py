@@ -183,12 +183,12 @@ class KVObserver:
     def complete(self, path: str, key: Any, result: Any = None, *, moved: Any = None) -> Any:
         """Complete the open transfer under (path, key); see `Transfer.complete`. An unknown key (never
         opened, or already ended, e.g. abandoned) changes nothing and returns `result`."""
-        t = self.open.find(self._known_path(path, "path"), key)
+        t = self.open_transfer(path, key)
         return result if t is None else t.complete(result, moved=moved)
 
     def fail(self, path: str, key: Any, error: BaseException) -> bool:
         """Fail the open transfer under (path, key); False when none is open."""
-        t = self.open.find(self._known_path(path, "path"), key)
+        t = self.open_transfer(path, key)
         return False if t is None else t.fail(error)
 
     def open_transfer(self, path: str, key: Any) -> Transfer | None:

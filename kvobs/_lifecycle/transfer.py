@@ -206,7 +206,7 @@ class Transfer:
                 validate_keys(self.path, self.keys, self.blocks, paired=route.page_size is None and group_sizes is None)
             nbytes = self.nbytes
             if nbytes is not None and (type(nbytes) is not int or nbytes < 0):  # noqa: E721 (bool is an int)
-                validate_nbytes(self.path, self.nbytes)  # says what is wrong (or accepts an int subclass)
+                validate_nbytes(self.path, nbytes)  # says what is wrong (or accepts an int subclass)
             if self.cache is not None and route.policy is not None:
                 self.cache_info = route.caches.inspect(self.path, self.cache, self.blocks)
             if self.key is not None:
